@@ -1,0 +1,99 @@
+"""Typed settings, read once from ``QUARRY_*`` environment variables.
+
+Build them with :func:`get_settings` at the edge (CLI, API, flows) and pass them
+down; no module keeps settings or clients at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_QUERY_TASK = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+class Settings(BaseSettings):
+    """Every knob quarry has. Each field is ``QUARRY_<NAME>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="QUARRY_", extra="ignore", frozen=True)
+
+    # Where the embedded default keeps local-mode Qdrant, Prefect state and locks.
+    data_dir: Path = Path(".quarry")
+    collection: str = Field("quarry", pattern=r"^[A-Za-z0-9_-]+$")
+
+    # Embedding service (TEI or an OpenAI-compatible gateway). Unset: local_tei in-process.
+    embed_url: str | None = None
+    embed_api_key: SecretStr | None = None
+    embed_model: str | None = None
+    embed_dialect: Literal["auto", "tei", "openai"] = "auto"
+    embed_batch_size: int | None = Field(None, ge=1)
+    embed_concurrency: int | None = Field(None, ge=1)
+    embed_timeout: float = Field(60.0, gt=0)
+    # Total seconds the clients keep retrying transient failures before giving up.
+    retry_budget: float = Field(30.0, ge=0)
+
+    # Reranker (TEI /rerank or Cohere-style /v1/rerank). Unset: the embedding service's.
+    rerank_url: str | None = None
+    rerank_api_key: SecretStr | None = None
+    rerank_dialect: Literal["auto", "tei", "cohere"] = "auto"
+    rerank_threshold: float = 0.3
+    rerank_required: bool = False
+
+    # Qdrant. Unset: local mode under data_dir.
+    qdrant_url: str | None = None
+    qdrant_api_key: SecretStr | None = None
+
+    # Chunking.
+    chunk_tokens: int = Field(256, ge=16)
+    chunk_overlap: int = Field(32, ge=0)
+    embed_headings: bool = False
+    max_file_bytes: int = Field(20 * 1024 * 1024, ge=1)
+
+    # Query formatting.
+    prompt_profile: Literal["qwen3", "e5-instruct", "e5", "bge-en", "none"] | None = None
+    query_task: str = DEFAULT_QUERY_TASK
+
+    # Ingestion.
+    workers: int = Field(4, ge=1, le=64)
+    max_delete_fraction: float = Field(0.3, ge=0, le=1)
+    allow_serving_change: bool = False
+    canary_min_cosine: float = Field(0.999, ge=-1, le=1)
+
+    # Query API.
+    api_key: SecretStr | None = None
+    api_auth: Literal["enabled", "disabled"] = "enabled"
+    max_query_tokens: int = Field(512, ge=1)
+
+    # Parity gates.
+    parity_min_cosine: float = 0.999
+    parity_min_overlap: float = 0.98
+
+    @field_validator("embed_url", "rerank_url", "qdrant_url")
+    @classmethod
+    def _strip_trailing_slash(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        return value.strip().rstrip("/")
+
+    @model_validator(mode="after")
+    def _overlap_below_size(self) -> Settings:
+        if self.chunk_overlap >= self.chunk_tokens:
+            raise ValueError(
+                f"QUARRY_CHUNK_OVERLAP ({self.chunk_overlap}) must be smaller than "
+                f"QUARRY_CHUNK_TOKENS ({self.chunk_tokens})"
+            )
+        return self
+
+    @property
+    def qdrant_path(self) -> Path:
+        """Where local-mode Qdrant keeps its files."""
+        return self.data_dir / "qdrant"
+
+
+def get_settings(**overrides: object) -> Settings:
+    """Read settings from the environment; keyword overrides win (CLI flags)."""
+    clean = {key: value for key, value in overrides.items() if value is not None}
+    return Settings(**clean)  # type: ignore[arg-type]

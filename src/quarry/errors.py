@@ -1,0 +1,132 @@
+"""quarry's exception tree.
+
+Every error quarry raises on purpose derives from :class:`QuarryError` and names
+the document, chunk, URL or collection it is about, so a failure in a long run
+can be traced to its cause without a debugger::
+
+    QuarryError
+    ├── ConfigError                 a setting is missing or contradictory
+    ├── SourceError                 a source path or file (has ``uri``)
+    │   ├── SourceNotFound          a source root does not exist
+    │   └── UnreadableDocument      binary, too large, undecodable, broken
+    ├── ServiceError                an HTTP service (has ``url``)
+    │   ├── ServiceUnavailable      retries spent on 429/503/424/connection errors
+    │   ├── RequestRejected         the service said the request is wrong (400/413/422)
+    │   │   ├── InputTooLong        an input over the model's max_input_length
+    │   │   └── DialectMismatch     the service speaks another API dialect
+    │   └── BadResponse             the service answered something unparseable
+    ├── StoreError                  Qdrant (has ``collection``)
+    │   ├── StoreLocked             local-mode Qdrant is held by another process
+    │   └── WriteFailed             an upsert or delete was not acknowledged
+    └── Refused                     quarry will not do this: CLI exit 3, API 409
+        ├── FingerprintMismatch     index made by another model
+        ├── ServingChanged          same model, other engine; no parity recorded
+        ├── CanaryMismatch          the canary no longer embeds the same way
+        └── MassDeleteRefused       a sync would delete too much of a source
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class QuarryError(Exception):
+    """Base of every error quarry raises on purpose."""
+
+
+class ConfigError(QuarryError):
+    """A setting is missing, malformed or contradicts another."""
+
+
+class SourceError(QuarryError):
+    """A problem with a source root or a file under it."""
+
+    def __init__(self, uri: str, message: str) -> None:
+        self.uri = uri
+        super().__init__(f"{uri}: {message}")
+
+
+class SourceNotFound(SourceError):
+    """A source path given to ingest does not exist."""
+
+
+class UnreadableDocument(SourceError):
+    """A file that cannot be turned into text: binary, too large, undecodable or broken."""
+
+
+class ServiceError(QuarryError):
+    """An HTTP service (embedding, rerank) failed; ``url`` names the endpoint."""
+
+    def __init__(
+        self,
+        url: str,
+        message: str,
+        *,
+        status: int | None = None,
+        documents: Sequence[str] = (),
+    ) -> None:
+        self.url = url
+        self.status = status
+        self.documents = tuple(documents)
+        text = f"{url}: {message}"
+        if self.documents:
+            shown = ", ".join(self.documents[:5])
+            more = f" and {len(self.documents) - 5} more" if len(self.documents) > 5 else ""
+            text += f" (documents: {shown}{more})"
+        super().__init__(text)
+
+
+class ServiceUnavailable(ServiceError):
+    """Transient failures (429, 503, 424, connection errors) outlasted the retry budget."""
+
+
+class RequestRejected(ServiceError):
+    """The service rejected the request as wrong (400, 413, 422); retrying as-is cannot help."""
+
+
+class InputTooLong(RequestRejected):
+    """An input is over the model's ``max_input_length``; it must be split, never truncated."""
+
+
+class DialectMismatch(RequestRejected):
+    """The service speaks another API dialect than the one quarry used."""
+
+
+class BadResponse(ServiceError):
+    """The service answered with something that is not what its API promises."""
+
+
+class StoreError(QuarryError):
+    """A Qdrant operation failed; ``collection`` names the collection."""
+
+    def __init__(self, collection: str, message: str) -> None:
+        self.collection = collection
+        super().__init__(f"collection {collection!r}: {message}")
+
+
+class StoreLocked(StoreError):
+    """Local-mode Qdrant admits one process at a time and another one holds it."""
+
+
+class WriteFailed(StoreError):
+    """An upsert or delete was not acknowledged as completed."""
+
+
+class Refused(QuarryError):
+    """quarry refuses to go on because the result would be wrong or destructive (exit 3)."""
+
+
+class FingerprintMismatch(Refused):
+    """The index was built by another model than the live embedding service serves."""
+
+
+class ServingChanged(Refused):
+    """Same model, different engine/version/dtype, and no accepted parity measurement."""
+
+
+class CanaryMismatch(Refused):
+    """The canary text no longer embeds to the vector stored with the index."""
+
+
+class MassDeleteRefused(Refused):
+    """A full sync would delete more of a source than ``QUARRY_MAX_DELETE_FRACTION``."""
