@@ -1,0 +1,22 @@
+"""Prefect flows: thin wiring of quarry's stages (``quarry.ingest``, ``quarry.search``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def configure_prefect_environment(data_dir: Path) -> None:
+    """Point an embedded (ephemeral) Prefect at ``data_dir`` and keep it quiet and offline.
+
+    Call before importing prefect. Does nothing to a process that talks to a
+    Prefect server (``PREFECT_API_URL`` set): that server's settings win.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    os.environ.setdefault("PREFECT_HOME", str((data_dir / "prefect").resolve()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "240")
+    os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "WARNING")

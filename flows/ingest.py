@@ -1,0 +1,161 @@
+"""Ingestion flow: discover -> chunk -> embed -> upsert -> clean, for one or more sources.
+
+Scheduled nightly (deployment ``ingest-nightly``) or run on demand
+(``quarry ingest``). The algorithm lives in :mod:`quarry.ingest`; this module
+decides what runs where: each batch of documents is a Prefect task, at most
+``QUARRY_WORKERS`` in flight, and one ingest per collection at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from quarry.sources import open_source
+
+from quarry.chunking import Chunker
+from quarry.config import Settings, get_settings
+from quarry.documents import Document
+from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
+from quarry.services import open_services
+
+
+# No Prefect retries: the clients own retries of transient failures, and a
+# document that fails here is reported, not repeated.
+@task(name="embed-and-write", cache_policy=NO_CACHE)
+def write_documents(sync: IndexSync, documents: list[Document]) -> BatchResult:
+    """Chunk, embed and upsert one batch of documents (idempotent: point ids are deterministic)."""
+    return sync.write_batch(documents)
+
+
+@contextmanager
+def one_writer(settings: Settings, collection: str) -> Iterator[None]:
+    """Serialise ingests of one collection.
+
+    A Prefect global concurrency limit when a Qdrant server is shared by workers;
+    a file lock beside local-mode Qdrant otherwise.
+    """
+    logger = get_run_logger()
+    if settings.qdrant_url:
+        from prefect.concurrency.sync import concurrency
+
+        with concurrency(f"quarry-ingest-{collection}", occupy=1, strict=False):
+            yield
+        return
+    # Local-mode Qdrant admits one process per folder, whatever the collection,
+    # so the lock is per data folder: a second ingest waits instead of failing.
+    lock_dir = settings.data_dir / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_dir / "local-qdrant.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.warning(
+            "another ingest is writing to local-mode Qdrant in %s; waiting for it to finish",
+            settings.data_dir,
+        )
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@flow(name="quarry-ingest", log_prints=False)
+def ingest_flow(
+    sources: list[str],
+    collection: str | None = None,
+    full_sync: bool = True,
+    allow_mass_delete: bool = False,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> dict[str, Any]:
+    """Sync ``sources`` (folders or files) into ``collection``.
+
+    Args:
+        sources: Paths to index; each folder is one source, named after the folder.
+        collection: The alias to write to (default ``QUARRY_COLLECTION``).
+        full_sync: Delete documents gone from a source (scoped to that source).
+        allow_mass_delete: Allow a sync to delete more than ``QUARRY_MAX_DELETE_FRACTION``.
+        include: Globs of files to index (default: md, txt, rst, html, pdf).
+        exclude: Globs of files to skip.
+
+    Returns:
+        The ingest summary (``IngestReport.to_dict()``).
+    """
+    logger = get_run_logger()
+    settings = get_settings(collection=collection)
+    started = time.monotonic()
+    globs: dict[str, Any] = {}
+    if include:
+        globs["include"] = tuple(include)
+    if exclude:
+        globs["exclude"] = tuple(exclude)
+    specs = [open_source(path, **globs) for path in sources]
+    with one_writer(settings, settings.collection), open_services(settings) as services:
+        sync = IndexSync(
+            services.store,
+            services.embedder,
+            Chunker(settings.chunk_tokens, settings.chunk_overlap),
+            embed_headings=settings.embed_headings,
+            max_delete_fraction=settings.max_delete_fraction,
+            allow_serving_change=settings.allow_serving_change,
+            canary_min_cosine=settings.canary_min_cosine,
+        )
+        report = run_sync(
+            sync,
+            specs,
+            full_sync=full_sync,
+            allow_mass_delete=allow_mass_delete,
+            max_file_bytes=settings.max_file_bytes,
+            submit=write_documents.submit,
+            window=settings.workers,
+            log=logger,
+        )
+    elapsed = time.monotonic() - started
+    logger.info(
+        "ingest of %s: %d seen, %d skipped, %d embedded (%d chunks), %d deleted, %d failed "
+        "in %.1fs",
+        settings.collection,
+        report.documents_seen,
+        report.documents_skipped,
+        report.documents_embedded,
+        report.chunks_embedded,
+        report.documents_deleted,
+        report.documents_failed,
+        elapsed,
+    )
+    _publish_artifact(report, sources, elapsed)
+    return report.to_dict()
+
+
+def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) -> None:
+    lines = [
+        f"# Ingest of `{report.collection}`",
+        "",
+        f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}",
+        "",
+        "| documents seen | skipped | embedded | deleted | failed | chunks | tokens | seconds |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {report.documents_seen} | {report.documents_skipped} | {report.documents_embedded} "
+        f"| {report.documents_deleted} | {report.documents_failed} | {report.chunks_embedded} "
+        f"| {report.tokens_embedded} | {elapsed:.1f} |",
+    ]
+    if report.failures:
+        lines += ["", "## Failures", "", "| document | error |", "|---|---|"]
+        lines += [
+            f"| `{failure.uri}` | {failure.error.replace('|', '/')} |"
+            for failure in report.failures
+        ]
+    create_markdown_artifact(
+        markdown="\n".join(lines),
+        key=f"ingest-{report.collection.lower().replace('_', '-')}",
+        description=f"quarry ingest summary for {report.collection}",
+    )

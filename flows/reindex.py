@@ -1,0 +1,99 @@
+"""Reindex flow: an operator's ad-hoc blue/green rebuild after a model or engine change.
+
+Builds a new physical collection with the live embedding service's fingerprint
+(from the stored chunk texts, or from the sources), verifies it, optionally
+gates it on an evaluation, and switches the alias atomically. The logic lives
+in :mod:`quarry.reindex`; this flow holds the writer lock and reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from quarry.sources import open_source
+
+from flows.ingest import one_writer
+from quarry.chunking import Chunker
+from quarry.config import get_settings
+from quarry.errors import Refused
+from quarry.ingest import IndexSync
+from quarry.reindex import reindex
+from quarry.services import open_services
+from quarry.store import VectorStore
+
+
+@flow(name="quarry-reindex", log_prints=False)
+def reindex_flow(
+    collection: str | None = None,
+    from_source: list[str] | None = None,
+    eval_dataset: str | None = None,
+    min_ndcg: float | None = None,
+) -> dict[str, Any]:
+    """Rebuild ``collection`` with the live embedding model and switch its alias to it.
+
+    Args:
+        collection: The alias to rebuild (default ``QUARRY_COLLECTION``).
+        from_source: Re-read and re-chunk these paths instead of re-embedding stored chunks.
+        eval_dataset: A BEIR-layout folder; evaluate the live model on it before switching.
+        min_ndcg: With ``eval_dataset``: refuse to switch when nDCG@10 is below this.
+
+    Returns:
+        The reindex report (``ReindexReport.to_dict()``).
+    """
+    logger = get_run_logger()
+    settings = get_settings(collection=collection)
+    specs = [open_source(path) for path in from_source or []]
+
+    def gate() -> dict[str, Any]:
+        from quarry.evaluate import run_evaluation
+
+        assert eval_dataset is not None
+        result = run_evaluation(eval_dataset, settings=settings, rerank=False)
+        ndcg = float(result["ndcg@10"])
+        logger.info("evaluation on %s: nDCG@10 %.4f", eval_dataset, ndcg)
+        if min_ndcg is not None and ndcg < min_ndcg:
+            raise Refused(
+                f"nDCG@10 {ndcg:.4f} on {eval_dataset} is below --min-ndcg {min_ndcg}; "
+                "the alias was not switched (the new collection is kept for inspection; "
+                "`quarry prune` removes it)"
+            )
+        return result
+
+    with one_writer(settings, settings.collection), open_services(settings) as services:
+
+        def make_sync(store: VectorStore) -> IndexSync:
+            return IndexSync(
+                store,
+                services.embedder,
+                Chunker(settings.chunk_tokens, settings.chunk_overlap),
+                embed_headings=settings.embed_headings,
+                max_delete_fraction=1.0,
+                allow_serving_change=True,
+                canary_min_cosine=settings.canary_min_cosine,
+            )
+
+        report = reindex(
+            services.store,
+            make_sync,
+            from_source=specs,
+            max_file_bytes=settings.max_file_bytes,
+            gate=gate if eval_dataset else None,
+            progress=logger.info,
+        )
+    create_markdown_artifact(
+        markdown=(
+            f"# Reindex of `{report.alias}`\n\n"
+            f"| | |\n|---|---|\n"
+            f"| previous | `{report.previous}` |\n| new | `{report.collection}` |\n"
+            f"| model | {report.model['model_id']} (key {report.model['model_key']}) |\n"
+            f"| documents | {report.documents} |\n| points | {report.points} |\n"
+            f"| verified sample | {report.verified_sample} "
+            f"(min cosine {report.min_sample_cosine:.5f}) |\n"
+            f"| switched | {report.switched} |\n"
+        ),
+        key=f"reindex-{report.alias.lower().replace('_', '-')}",
+        description=f"quarry reindex of {report.alias}",
+    )
+    return report.to_dict()

@@ -1,0 +1,246 @@
+"""HTTP plumbing shared by the service clients: one retry policy, one error mapping.
+
+One owner per retry: this module's tenacity policy. The openai SDK runs with
+``max_retries=0`` and Prefect never retries a request.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx2
+import tenacity
+
+from quarry.errors import (
+    BadResponse,
+    DialectMismatch,
+    InputTooLong,
+    RequestRejected,
+    ServiceError,
+    ServiceUnavailable,
+)
+
+T = TypeVar("T")
+
+# 424: TEI's backend failed; 429: overloaded (permits are per input, no queueing);
+# 503: unhealthy or starting. All are worth another try after a pause.
+TRANSIENT_STATUS = frozenset({408, 424, 429, 500, 502, 503, 504})
+REJECTED_STATUS = frozenset({400, 401, 403, 404, 405, 413, 422})
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How long and how often a client retries transient failures.
+
+    The defaults suit a TEI behind a queue: short first waits, capped backoff, and
+    a total budget in seconds so a dead service fails fast instead of hanging.
+    """
+
+    budget: float = 30.0
+    initial: float = 0.1
+    maximum: float = 5.0
+    jitter: float = 0.5
+
+    def retrying(self) -> tenacity.Retrying:
+        """A tenacity controller for one logical request."""
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_is_transient),
+            stop=tenacity.stop_after_delay(self.budget),
+            wait=_RetryAfterOrBackoff(self.initial, self.maximum, self.jitter),
+            reraise=True,
+            sleep=time.sleep,
+        )
+
+
+NO_WAIT = RetryPolicy(budget=5.0, initial=0.0, maximum=0.0, jitter=0.0)
+"""A testing switch in the manner of stamina: retries still happen, waits do not."""
+
+
+class TransientFailure(ServiceUnavailable):
+    """Retried; re-raised as ServiceUnavailable once the budget is spent."""
+
+    def __init__(
+        self, url: str, message: str, *, status: int | None, retry_after: float | None
+    ) -> None:
+        super().__init__(url, message, status=status)
+        self.retry_after = retry_after
+
+
+def _is_transient(error: BaseException) -> bool:
+    return isinstance(error, TransientFailure)
+
+
+class _RetryAfterOrBackoff(tenacity.wait.wait_base):
+    """Exponential backoff with jitter, but never shorter than the server's Retry-After."""
+
+    def __init__(self, initial: float, maximum: float, jitter: float) -> None:
+        self._backoff = tenacity.wait_exponential(multiplier=initial, max=maximum)
+        self._jitter = jitter
+        self._maximum = maximum
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        wait = float(self._backoff(retry_state)) if self._maximum > 0 else 0.0
+        if self._jitter and wait:
+            wait += random.uniform(0, self._jitter * wait)
+        outcome = retry_state.outcome
+        error = outcome.exception() if outcome is not None else None
+        if isinstance(error, TransientFailure) and error.retry_after is not None:
+            wait = max(wait, min(error.retry_after, 60.0))
+        return wait
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        parsed = email.utils.parsedate_to_datetime(value)
+        if parsed is None:
+            return None
+        return max(0.0, parsed.timestamp() - time.time())
+
+
+def error_message(body: bytes | str) -> str:
+    """The human part of an error body: TEI's ``error``, OpenAI's ``message``, or the text."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "(empty body)"
+    if isinstance(parsed, dict):
+        for key in ("error", "message", "detail"):
+            value = parsed.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:500]
+    return text.strip()[:500]
+
+
+def raise_for_status(
+    url: str,
+    status: int,
+    body: bytes | str,
+    headers: httpx2.Headers | None = None,
+    *,
+    documents: Sequence[str] = (),
+    dialect_hint: str | None = None,
+) -> None:
+    """Turn a non-2xx answer into the right quarry error; return quietly on 2xx."""
+    if 200 <= status < 300:
+        return
+    message = error_message(body)
+    if status in TRANSIENT_STATUS:
+        retry_after = parse_retry_after(headers.get("retry-after") if headers else None)
+        raise TransientFailure(
+            url, f"HTTP {status}: {message}", status=status, retry_after=retry_after
+        )
+    if status == 422 and "must have less than" in message:
+        raise InputTooLong(url, f"HTTP 422: {message}", status=status, documents=documents)
+    if status == 422 and "missing field" in message and dialect_hint:
+        raise DialectMismatch(
+            url, f"HTTP 422: {message}. {dialect_hint}", status=status, documents=documents
+        )
+    if status in (401, 403):
+        raise RequestRejected(
+            url,
+            f"HTTP {status}: {message} (check the API key setting for this service)",
+            status=status,
+        )
+    raise RequestRejected(url, f"HTTP {status}: {message}", status=status, documents=documents)
+
+
+def call_with_retries(
+    policy: RetryPolicy, url: str, attempt: Callable[[], T], *, documents: Sequence[str] = ()
+) -> T:
+    """Run ``attempt`` under ``policy``; a spent budget raises ServiceUnavailable for the url."""
+    try:
+        return policy.retrying()(attempt)
+    except TransientFailure as error:
+        raise ServiceUnavailable(
+            url,
+            f"still failing after retrying for {policy.budget:g}s: {error.args[0]}",
+            status=error.status,
+            documents=documents,
+        ) from error
+
+
+def send(
+    client: httpx2.Client,
+    method: str,
+    url: str,
+    *,
+    json_body: Any = None,
+    documents: Sequence[str] = (),
+    dialect_hint: str | None = None,
+) -> httpx2.Response:
+    """One HTTP exchange, with transport errors and 5xx/429 classified as transient."""
+    try:
+        response = client.request(method, url, json=json_body)
+    except httpx2.TimeoutException as error:
+        raise TransientFailure(url, f"timed out: {error}", status=None, retry_after=None) from error
+    except httpx2.TransportError as error:
+        raise TransientFailure(
+            url, f"cannot connect: {error}", status=None, retry_after=None
+        ) from error
+    raise_for_status(
+        url,
+        response.status_code,
+        response.content,
+        response.headers,
+        documents=documents,
+        dialect_hint=dialect_hint,
+    )
+    return response
+
+
+def request_json(
+    client: httpx2.Client,
+    policy: RetryPolicy,
+    method: str,
+    url: str,
+    *,
+    json_body: Any = None,
+    documents: Sequence[str] = (),
+    dialect_hint: str | None = None,
+) -> Any:
+    """Send a request with retries and return its parsed JSON body."""
+
+    def attempt() -> Any:
+        response = send(
+            client,
+            method,
+            url,
+            json_body=json_body,
+            documents=documents,
+            dialect_hint=dialect_hint,
+        )
+        try:
+            return response.json()
+        except ValueError as error:
+            raise BadResponse(url, f"answer is not JSON: {response.text[:200]!r}") from error
+
+    return call_with_retries(policy, url, attempt, documents=documents)
+
+
+__all__ = [
+    "NO_WAIT",
+    "REJECTED_STATUS",
+    "TRANSIENT_STATUS",
+    "RetryPolicy",
+    "ServiceError",
+    "TransientFailure",
+    "call_with_retries",
+    "error_message",
+    "raise_for_status",
+    "request_json",
+    "send",
+]

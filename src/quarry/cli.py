@@ -1,0 +1,532 @@
+"""The ``quarry`` command line.
+
+Every command takes ``--json`` for a machine-readable result on stdout; logs and
+progress go to stderr. Exit codes: 0 ok, 1 failed, 2 usage, 3 refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+from quarry.config import Settings, get_settings
+from quarry.errors import QuarryError, Refused, SourceNotFound
+
+if TYPE_CHECKING:
+    from quarry.search import SearchResponse
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+app = typer.Typer(
+    name="quarry",
+    help="Index documents into Qdrant with your own embedding models, and search them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
+CollectionOption = Annotated[
+    str | None, typer.Option("--collection", "-c", help="Collection alias (QUARRY_COLLECTION).")
+]
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    typer.echo(f"quarry: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _errors_to_exit_codes() -> Iterator[None]:
+    """Map quarry's errors to exit codes with one clear line on stderr, no traceback."""
+    try:
+        yield
+    except SourceNotFound as error:
+        _fail(str(error), EXIT_USAGE)
+    except Refused as error:
+        _fail(f"refused: {error}", EXIT_REFUSED)
+    except QuarryError as error:
+        _fail(str(error), EXIT_FAILED)
+    except ValueError as error:  # pydantic settings validation
+        _fail(f"invalid setting: {error}", EXIT_USAGE)
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return get_settings(**overrides)
+    except ValueError as error:
+        _fail(f"invalid QUARRY_ setting: {error}", EXIT_USAGE)
+
+
+def _preflight(settings: Settings) -> None:
+    """Fail fast, before Prefect starts, when the configured services do not answer."""
+    if settings.embed_url:
+        from quarry.embeddings import EmbeddingClient
+        from quarry.services import retry_policy
+
+        with EmbeddingClient(
+            settings.embed_url,
+            api_key=settings.embed_api_key.get_secret_value() if settings.embed_api_key else None,
+            retry=retry_policy(settings),
+        ) as client:
+            _ = client.info
+
+
+def _emit(as_json: bool, data: dict[str, Any], human: Callable[[], None]) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        human()
+
+
+@app.command()
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Folders or files to index.")],
+    collection: CollectionOption = None,
+    full_sync: Annotated[
+        bool,
+        typer.Option("--full-sync/--no-full-sync", help="Delete documents gone from each source."),
+    ] = True,
+    allow_mass_delete: Annotated[
+        bool, typer.Option(help="Allow deleting more than QUARRY_MAX_DELETE_FRACTION.")
+    ] = False,
+    include: Annotated[
+        list[str] | None, typer.Option("--include", help="Glob of files to index (repeatable).")
+    ] = None,
+    exclude: Annotated[
+        list[str] | None, typer.Option("--exclude", help="Glob of files to skip (repeatable).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
+    settings = _settings(collection=collection)
+    for path in paths:
+        if not path.exists():
+            _fail(f"{path}: no such file or directory", EXIT_USAGE)
+    with _errors_to_exit_codes():
+        _preflight(settings)
+    from flows import configure_prefect_environment
+
+    configure_prefect_environment(settings.data_dir)
+    with _errors_to_exit_codes():
+        from flows.ingest import ingest_flow
+
+        summary = ingest_flow(
+            sources=[str(path) for path in paths],
+            collection=settings.collection,
+            full_sync=full_sync,
+            allow_mass_delete=allow_mass_delete,
+            include=include,
+            exclude=exclude,
+        )
+
+    def human() -> None:
+        typer.echo(
+            f"{summary['collection']}: {summary['documents_seen']} documents seen, "
+            f"{summary['documents_skipped']} unchanged, {summary['documents_embedded']} embedded "
+            f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} requests), "
+            f"{summary['documents_deleted']} deleted, {summary['documents_failed']} failed"
+        )
+        for failure in summary["failures"]:
+            typer.echo(f"  failed: {failure['uri']}: {failure['error']}")
+
+    _emit(as_json, summary, human)
+
+
+@app.command()
+def query(
+    text: Annotated[str, typer.Argument(help="The question.")],
+    collection: CollectionOption = None,
+    k: Annotated[int, typer.Option("-k", min=1, max=100, help="Passages to return.")] = 5,
+    candidates: Annotated[int, typer.Option(min=1, max=1000, help="Vector candidates.")] = 50,
+    no_rerank: Annotated[bool, typer.Option("--no-rerank", help="Vector scores only.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Search the collection and print the best passages with their scores and sources."""
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.search import Searcher
+        from quarry.services import open_services
+
+        with open_services(settings) as services:
+            searcher = Searcher(
+                services.store,
+                services.embedder,
+                services.reranker,
+                threshold=settings.rerank_threshold,
+                rerank_required=settings.rerank_required,
+                allow_serving_change=settings.allow_serving_change,
+                canary_min_cosine=settings.canary_min_cosine,
+            )
+            response = searcher.search(text, top_k=k, candidates=candidates, rerank=not no_rerank)
+
+    def human() -> None:
+        print_response(response)
+
+    _emit(as_json, response.to_dict(), human)
+
+
+def print_response(response: SearchResponse) -> None:
+    """Print ranked passages with scores and sources, for people."""
+    for warning in response.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    if not response.results:
+        typer.echo("no passage scored above the threshold")
+    for rank, result in enumerate(response.results, start=1):
+        where = " > ".join(result.headings)
+        suffix = f"  [{where}]" if where else ""
+        typer.echo(f"{rank}. {result.score:.3f}  {result.uri}{suffix}")
+        snippet = " ".join(result.text.split())
+        typer.echo(f"   {snippet[:300]}{'...' if len(snippet) > 300 else ''}")
+
+
+@app.command()
+def chunk(
+    file: Annotated[Path, typer.Argument(help="A file to split.", exists=False)],
+    max_tokens: Annotated[int | None, typer.Option(min=16, help="Chunk size in tokens.")] = None,
+    overlap: Annotated[int | None, typer.Option(min=0, help="Overlap in tokens.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show how FILE will be split into chunks."""
+    settings = _settings(chunk_tokens=max_tokens, chunk_overlap=overlap)
+    if not file.is_file():
+        _fail(f"{file}: no such file", EXIT_USAGE)
+    with _errors_to_exit_codes():
+        from quarry.chunking import Chunker
+        from quarry.sources import load_path
+
+        chunker = Chunker(settings.chunk_tokens, settings.chunk_overlap)
+        documents = load_path(file, max_file_bytes=settings.max_file_bytes)
+        chunks = [c for document in documents for c in chunker.chunk(document)]
+    data = {
+        "chunks": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_count": c.token_count,
+                "headings": list(c.headings),
+                "char_start": c.char_start,
+                "char_end": c.char_end,
+            }
+            for c in chunks
+        ]
+    }
+
+    def human() -> None:
+        for c in chunks:
+            where = " > ".join(c.headings)
+            typer.echo(
+                f"--- chunk {c.index}: {c.token_count} tokens, chars {c.char_start}-{c.char_end}"
+                + (f" [{where}]" if where else "")
+            )
+            typer.echo(c.text)
+
+    _emit(as_json, data, human)
+
+
+@app.command()
+def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> None:
+    """Show the collection: where the alias points, its size and the model that built it."""
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.store import VectorStore, open_client
+
+        store = VectorStore(open_client(settings), settings.collection)
+        try:
+            physical = store.resolve()
+            if physical is None:
+                _fail(
+                    f"collection {settings.collection!r} does not exist yet; "
+                    "run `quarry ingest PATH`",
+                    EXIT_FAILED,
+                )
+            fingerprint = store.fingerprint()
+            data = {
+                "collection": physical,
+                "alias": settings.collection,
+                "points": store.count(),
+                "documents": len(store.index_state()),
+                "fingerprint": fingerprint.to_metadata() if fingerprint else None,
+            }
+        finally:
+            store.close()
+    if isinstance(data["fingerprint"], dict):
+        data["fingerprint"].pop("canary", None)
+
+    def human() -> None:
+        typer.echo(f"alias        {data['alias']} -> {data['collection']}")
+        typer.echo(f"points       {data['points']}")
+        typer.echo(f"documents    {data['documents']}")
+        if fingerprint:
+            typer.echo(f"model        {fingerprint.model.describe()}")
+            typer.echo(f"serving      {fingerprint.serving.describe()}")
+            typer.echo(f"query task   {fingerprint.query_task}")
+
+    _emit(as_json, data, human)
+
+
+@app.command()
+def collections(collection: CollectionOption = None, as_json: JsonFlag = False) -> None:
+    """List the physical collections behind the alias, with the model that built each."""
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.store import META_FINGERPRINT, VectorStore, open_client
+
+        store = VectorStore(open_client(settings), settings.collection)
+        try:
+            found = store.collections()
+        finally:
+            store.close()
+    rows: list[dict[str, Any]] = []
+    for info in found:
+        fingerprint = dict(info.metadata.get(META_FINGERPRINT) or {})
+        fingerprint.pop("canary", None)
+        rows.append(
+            {
+                "name": info.name,
+                "aliases": list(info.aliases),
+                "points": info.points,
+                "fingerprint": fingerprint or None,
+                "previous": info.metadata.get("quarry_previous"),
+            }
+        )
+
+    def human() -> None:
+        if not rows:
+            typer.echo(f"no collections for alias {settings.collection!r}")
+        for row in rows:
+            model = (row["fingerprint"] or {}).get("model", {})
+            serving = "*" if settings.collection in row["aliases"] else " "
+            typer.echo(
+                f"{serving} {row['name']}  {row['points']} points  "
+                f"{model.get('model_id', '?')} ({model.get('dimensions', '?')}d)"
+            )
+
+    _emit(as_json, {"alias": settings.collection, "collections": rows}, human)
+
+
+@app.command()
+def reindex(
+    collection: CollectionOption = None,
+    from_source: Annotated[
+        list[Path] | None,
+        typer.Option("--from-source", help="Re-read these paths instead of stored chunks."),
+    ] = None,
+    eval_dir: Annotated[
+        Path | None, typer.Option("--eval", help="BEIR dataset to evaluate before switching.")
+    ] = None,
+    min_ndcg: Annotated[
+        float | None, typer.Option(help="Refuse to switch below this nDCG@10.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Rebuild the collection with the live model beside the old one, then switch the alias."""
+    settings = _settings(collection=collection)
+    for path in [*(from_source or []), *([eval_dir] if eval_dir else [])]:
+        if not path.exists():
+            _fail(f"{path}: no such file or directory", EXIT_USAGE)
+    if min_ndcg is not None and eval_dir is None:
+        _fail("--min-ndcg needs --eval DATASET", EXIT_USAGE)
+    with _errors_to_exit_codes():
+        _preflight(settings)
+    from flows import configure_prefect_environment
+
+    configure_prefect_environment(settings.data_dir)
+    with _errors_to_exit_codes():
+        from flows.reindex import reindex_flow
+
+        report = reindex_flow(
+            collection=settings.collection,
+            from_source=[str(p) for p in from_source] if from_source else None,
+            eval_dataset=str(eval_dir) if eval_dir else None,
+            min_ndcg=min_ndcg,
+        )
+
+    def human() -> None:
+        typer.echo(
+            f"{report['alias']}: {report['previous']} -> {report['collection']} "
+            f"({report['documents']} documents, {report['points']} points, "
+            f"{report['model']['model_id']})"
+        )
+
+    _emit(as_json, report, human)
+
+
+@app.command()
+def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> None:
+    """Point the alias back at the collection it served before the last reindex."""
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.reindex import rollback as roll_back
+        from quarry.store import VectorStore, open_client
+
+        store = VectorStore(open_client(settings), settings.collection)
+        try:
+            current, previous = roll_back(store)
+        finally:
+            store.close()
+    data = {"alias": settings.collection, "from": current, "to": previous}
+    _emit(as_json, data, lambda: typer.echo(f"{settings.collection}: {current} -> {previous}"))
+
+
+@app.command()
+def prune(
+    collection: CollectionOption = None,
+    keep: Annotated[int, typer.Option(min=1, help="Newest collections to keep.")] = 2,
+    as_json: JsonFlag = False,
+) -> None:
+    """Delete old physical collections of the alias, keeping the KEEP newest and the live one."""
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.reindex import prune as prune_collections
+        from quarry.store import VectorStore, open_client
+
+        store = VectorStore(open_client(settings), settings.collection)
+        try:
+            dropped = prune_collections(store, keep)
+        finally:
+            store.close()
+
+    def human() -> None:
+        typer.echo(f"deleted {len(dropped)} collections" + "".join(f"\n  {n}" for n in dropped))
+
+    _emit(as_json, {"alias": settings.collection, "deleted": dropped}, human)
+
+
+@app.command()
+def parity(
+    candidate_embed_url: Annotated[
+        str, typer.Option(help="The embedding service to compare with the live one.")
+    ],
+    candidate_rerank_url: Annotated[
+        str | None, typer.Option(help="A reranker to compare with the live one.")
+    ] = None,
+    collection: CollectionOption = None,
+    sample: Annotated[int, typer.Option(min=1, help="Stored passages to re-embed.")] = 200,
+    accept: Annotated[
+        bool, typer.Option("--accept", help="Record a passing result: allow that serving stack.")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Measure whether a candidate service embeds (and reranks) like the one that built the index.
+
+    Exits 1 when parity is not reached (3 when --accept is refused).
+    """
+    settings = _settings(collection=collection)
+    with _errors_to_exit_codes():
+        from quarry.embeddings import EmbeddingClient
+        from quarry.parity import accept as record
+        from quarry.parity import measure_parity
+        from quarry.rerank import RerankClient
+        from quarry.services import open_services, retry_policy
+
+        with open_services(settings) as services:
+            candidate = EmbeddingClient(
+                candidate_embed_url.rstrip("/"),
+                api_key=settings.embed_api_key.get_secret_value()
+                if settings.embed_api_key
+                else None,
+                model=settings.embed_model,
+                retry=retry_policy(settings),
+                prompt_profile=settings.prompt_profile,
+                query_task=settings.query_task,
+                dialect=settings.embed_dialect,
+            )
+            candidate_reranker = (
+                RerankClient(
+                    candidate_rerank_url.rstrip("/"),
+                    retry=retry_policy(settings),
+                    dialect=settings.rerank_dialect,
+                )
+                if candidate_rerank_url
+                else None
+            )
+            report = measure_parity(
+                services.store,
+                services.embedder,
+                candidate,
+                sample=sample,
+                live_reranker=services.reranker if candidate_reranker else None,
+                candidate_reranker=candidate_reranker,
+                rerank_threshold=settings.rerank_threshold,
+                min_cosine=settings.parity_min_cosine,
+                min_overlap=settings.parity_min_overlap,
+            )
+            if accept:
+                record(services.store, report)
+
+    def human() -> None:
+        typer.echo(
+            f"sample {report.sample}: cosine median {report.cosine_median:.6f}, "
+            f"min {report.cosine_min:.6f}; overlap@10 {report.overlap_at_10:.3f} over "
+            f"{report.queries} queries"
+        )
+        if report.rerank:
+            typer.echo(
+                f"rerank: top-1 agreement {report.rerank['top1_agreement']:.2f}, top-3 "
+                f"{report.rerank['top3_agreement']:.2f}, "
+                f"{report.rerank['threshold_crossings']} scores cross the threshold"
+            )
+        verdict = "passes" if report.passed else "does NOT pass"
+        typer.echo(f"parity {verdict}" + (" and is recorded" if report.accepted else ""))
+
+    _emit(as_json, report.to_dict(), human)
+    if not report.passed:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("local-tei")
+def local_tei(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0: any free port).")] = 8001,
+    backend: Annotated[str, typer.Option(help="minilm (real model) or hash.")] = "minilm",
+    dims: Annotated[int, typer.Option(help="hash backend: dimensions.")] = 384,
+    seed: Annotated[
+        int, typer.Option(help="hash backend: seed (another seed, another model).")
+    ] = 0,
+    max_input_length: Annotated[int | None, typer.Option(help="Tokens per input.")] = None,
+    max_client_batch_size: Annotated[int, typer.Option(help="Inputs per request.")] = 32,
+    max_batch_tokens: Annotated[int, typer.Option(help="Tokens per worker step.")] = 16384,
+    max_concurrent_requests: Annotated[int, typer.Option(help="Inputs in flight.")] = 512,
+    latency_ms: Annotated[float, typer.Option(help="Cost of one worker step.")] = 0.0,
+    per_token_us: Annotated[float, typer.Option(help="Extra cost per token.")] = 0.0,
+    fault_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="Random 429/503.")] = 0.0,
+    api_key: Annotated[str | None, typer.Option(help="Require this Bearer token.")] = None,
+) -> None:
+    """Serve TEI's HTTP API locally (the embedded default's model, or a hash stand-in)."""
+    from quarry.local_tei import LocalTEIConfig, serve
+
+    if backend not in ("minilm", "hash"):
+        _fail(f"--backend must be minilm or hash, not {backend!r}", EXIT_USAGE)
+    serve(
+        LocalTEIConfig(
+            backend=backend,  # type: ignore[arg-type]
+            host=host,
+            port=port,
+            dims=dims,
+            seed=seed,
+            max_input_length=max_input_length,
+            max_client_batch_size=max_client_batch_size,
+            max_batch_tokens=max_batch_tokens,
+            max_concurrent_requests=max_concurrent_requests,
+            latency_ms=latency_ms,
+            per_token_us=per_token_us,
+            fault_rate=fault_rate,
+            api_key=api_key,
+        )
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)

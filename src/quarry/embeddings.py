@@ -1,0 +1,418 @@
+"""Embedding client for TEI and OpenAI-compatible services.
+
+Passages are embedded raw (or as their prompt profile says); queries are
+formatted here and nowhere else. Requests are sized from the service's
+``/info`` limits, sent a few at a time, retried only when the failure is
+transient, and an input the service finds too long is split and embedded in
+parts, never truncated.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx2
+import numpy as np
+import openai
+
+from quarry._http import (
+    RetryPolicy,
+    TransientFailure,
+    call_with_retries,
+    raise_for_status,
+    request_json,
+)
+from quarry.config import DEFAULT_QUERY_TASK
+from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceError
+from quarry.prompts import ProfileName, PromptProfile, profile_for_model
+
+# TEI rejects bodies over 2 MB by default; stay well clear of it.
+MAX_BODY_BYTES = 1_500_000
+DEFAULT_BATCH_SIZE = 32
+
+EmbedDialect = Literal["auto", "tei", "openai"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    """What a service says about itself (TEI ``/info``), or what could be learned without it."""
+
+    url: str
+    model_id: str
+    model_sha: str | None = None
+    dtype: str | None = None
+    pooling: str | None = None
+    engine: str = "unknown"
+    engine_version: str | None = None
+    max_input_length: int | None = None
+    max_batch_tokens: int | None = None
+    max_client_batch_size: int | None = None
+    max_concurrent_requests: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_tei(cls, url: str, info: dict[str, Any]) -> ServiceInfo:
+        """Parse TEI's ``/info`` body."""
+        model_type = info.get("model_type") or {}
+        pooling = None
+        if isinstance(model_type, dict):
+            embedding = model_type.get("embedding")
+            if isinstance(embedding, dict):
+                pooling = embedding.get("pooling")
+        return cls(
+            url=url,
+            model_id=str(info.get("model_id") or info.get("served_model_name") or "unknown"),
+            model_sha=info.get("model_sha"),
+            dtype=info.get("model_dtype"),
+            pooling=pooling,
+            engine="tei",
+            engine_version=info.get("version"),
+            max_input_length=_int_or_none(info.get("max_input_length")),
+            max_batch_tokens=_int_or_none(info.get("max_batch_tokens")),
+            max_client_batch_size=_int_or_none(info.get("max_client_batch_size")),
+            max_concurrent_requests=_int_or_none(info.get("max_concurrent_requests")),
+            raw=dict(info),
+        )
+
+
+def _int_or_none(value: object) -> int | None:
+    return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedPart:
+    """One embedded piece of an input: the input itself, or a part of it after a split."""
+
+    text: str
+    vector: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedFailure:
+    """An input the service rejected for a reason splitting cannot fix."""
+
+    error: ServiceError
+
+
+EmbedResult = list[EmbeddedPart] | EmbedFailure
+
+
+def fetch_info(
+    client: httpx2.Client, url: str, policy: RetryPolicy, *, api_name: str = "/info"
+) -> dict[str, Any] | None:
+    """GET ``/info``; None when the service has no such route (a gateway, infinity)."""
+    target = f"{url}{api_name}"
+
+    def attempt() -> dict[str, Any] | None:
+        try:
+            response = client.get(target)
+        except httpx2.TimeoutException as error:
+            raise TransientFailure(
+                target, f"timed out: {error}", status=None, retry_after=None
+            ) from error
+        except httpx2.TransportError as error:
+            raise TransientFailure(
+                target, f"cannot connect: {error}", status=None, retry_after=None
+            ) from error
+        if response.status_code in (404, 405):
+            return None
+        raise_for_status(target, response.status_code, response.content, response.headers)
+        body = response.json()
+        return body if isinstance(body, dict) else None
+
+    return call_with_retries(policy, target, attempt)
+
+
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """Authorization header for a service key; the key itself is never logged."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class EmbeddingClient:
+    """Embeds passages and queries through one service.
+
+    ``transport`` is injected for tests (an ``httpx2.MockTransport``); production
+    uses the default HTTP transport. Nothing is fetched until first use.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        transport: httpx2.BaseTransport | None = None,
+        timeout: float = 60.0,
+        retry: RetryPolicy = RetryPolicy(),
+        batch_size: int | None = None,
+        concurrency: int | None = None,
+        prompt_profile: ProfileName | None = None,
+        query_task: str = DEFAULT_QUERY_TASK,
+        dialect: EmbedDialect = "auto",
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._model = model
+        self._retry = retry
+        self._batch_size = batch_size
+        self._concurrency = concurrency
+        self._profile_override = prompt_profile
+        self.query_task = query_task
+        self._dialect = dialect
+        self._http = httpx2.Client(
+            transport=transport, timeout=timeout, headers=bearer_headers(api_key)
+        )
+        self._openai = openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or "unused",
+            max_retries=0,
+            timeout=timeout,
+            http_client=httpx2.Client(transport=transport, timeout=timeout),
+        )
+        self._info: ServiceInfo | None = None
+        self._info_lock = threading.Lock()
+        self.requests_sent = 0
+        self._count_lock = threading.Lock()
+
+    # -- what the service is -------------------------------------------------------------
+
+    @property
+    def info(self) -> ServiceInfo:
+        """The service's identity and limits, fetched once."""
+        with self._info_lock:
+            if self._info is None:
+                self._info = self._load_info()
+            return self._info
+
+    def _load_info(self) -> ServiceInfo:
+        raw = fetch_info(self._http, self.base_url, self._retry)
+        if raw is not None and "model_id" in raw:
+            return ServiceInfo.from_tei(self.base_url, raw)
+        model_id = self._model or self._model_from_listing() or "unknown"
+        return ServiceInfo(url=self.base_url, model_id=model_id)
+
+    def _model_from_listing(self) -> str | None:
+        try:
+            listing = request_json(self._http, self._retry, "GET", f"{self.base_url}/v1/models")
+        except RequestRejected:
+            return None
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            return str(data[0].get("id"))
+        return None
+
+    @property
+    def model_name(self) -> str:
+        """The model name sent with OpenAI-style requests."""
+        return self._model or self.info.model_id
+
+    @property
+    def profile(self) -> PromptProfile:
+        """The prompt profile in force (explicit setting, else from the model id)."""
+        return profile_for_model(self.info.model_id, self._profile_override)
+
+    @property
+    def dialect(self) -> Literal["tei", "openai"]:
+        """``openai`` (``/v1/embeddings``, every TEI and gateway) unless set to ``tei``."""
+        return "tei" if self._dialect == "tei" else "openai"
+
+    @property
+    def batch_size(self) -> int:
+        """Inputs per request: the service's limit, lowered by ``QUARRY_EMBED_BATCH_SIZE``."""
+        limit = self.info.max_client_batch_size or DEFAULT_BATCH_SIZE
+        return min(limit, self._batch_size) if self._batch_size else limit
+
+    @property
+    def concurrency(self) -> int:
+        """Requests in flight at once; from ``/info`` capacity unless set."""
+        if self._concurrency:
+            return self._concurrency
+        capacity = self.info.max_concurrent_requests
+        if capacity is None:
+            return 4
+        return max(1, min(16, capacity // max(1, self.batch_size)))
+
+    # -- embedding -----------------------------------------------------------------------
+
+    def embed_query(self, query: str) -> list[float]:
+        """Embed a search query, formatted by the model's prompt profile and the task."""
+        text = self.profile.format_query(query, self.query_task)
+        return self._post_batch([text], documents=())[0]
+
+    def embed_raw(self, texts: Sequence[str]) -> list[list[float]]:
+        """Embed texts exactly as given, one request per batch, no splitting (probes, canary)."""
+        out: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            out.extend(self._post_batch(list(texts[start : start + self.batch_size]), ()))
+        return out
+
+    def embed_passages(
+        self, texts: Sequence[str], *, documents: Sequence[str] | None = None
+    ) -> list[EmbedResult]:
+        """Embed passages; one result per input, in order.
+
+        An input the service finds too long comes back as several parts (split at
+        the strongest boundary near its middle). An input the service rejects for
+        another reason comes back as an :class:`EmbedFailure`; the rest of its batch
+        is unaffected. ``documents`` (one uri per input) name the inputs in errors.
+        Transient failures that outlast the retry budget raise ServiceUnavailable.
+        """
+        names = list(documents) if documents is not None else [""] * len(texts)
+        formatted = [self.profile.format_passage(text) for text in texts]
+        batches = list(self._batches(formatted))
+        results: list[EmbedResult] = []
+        if len(batches) <= 1 or self.concurrency == 1:
+            for start, end in batches:
+                results.extend(self._embed_resilient(list(texts[start:end]), names[start:end]))
+            return results
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = [
+                pool.submit(self._embed_resilient, list(texts[start:end]), names[start:end])
+                for start, end in batches
+            ]
+            for future in futures:
+                results.extend(future.result())
+        return results
+
+    def _batches(self, texts: Sequence[str]) -> Iterator[tuple[int, int]]:
+        """Index ranges that respect the batch size, the body limit and max_batch_tokens."""
+        max_tokens = self.info.max_batch_tokens
+        start, size, tokens = 0, 0, 0
+        for index, text in enumerate(texts):
+            text_bytes = len(text.encode("utf-8")) + 8
+            text_tokens = _estimate_tokens(text)
+            full = index - start >= self.batch_size
+            too_big = size + text_bytes > MAX_BODY_BYTES
+            too_many_tokens = max_tokens is not None and tokens + text_tokens > max_tokens
+            if index > start and (full or too_big or too_many_tokens):
+                yield start, index
+                start, size, tokens = index, 0, 0
+            size += text_bytes
+            tokens += text_tokens
+        if start < len(texts):
+            yield start, len(texts)
+
+    def _embed_resilient(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
+        formatted = [self.profile.format_passage(text) for text in texts]
+        try:
+            vectors = self._post_batch(formatted, documents=names)
+        except InputTooLong as error:
+            if len(texts) == 1:
+                return [self._embed_split(texts[0], names[0], error)]
+            middle = len(texts) // 2
+            return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
+                texts[middle:], names[middle:]
+            )
+        except RequestRejected as error:
+            if len(texts) == 1:
+                return [EmbedFailure(error)]
+            middle = len(texts) // 2
+            return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
+                texts[middle:], names[middle:]
+            )
+        return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
+
+    def _embed_split(self, text: str, name: str, error: InputTooLong) -> EmbedResult:
+        from quarry.chunking import split_in_two
+
+        if len(text) < 2:
+            return EmbedFailure(error)
+        parts: list[EmbeddedPart] = []
+        for piece in split_in_two(text):
+            result = self._embed_resilient([piece], [name])[0]
+            if isinstance(result, EmbedFailure):
+                return result
+            parts.extend(result)
+        return parts
+
+    def _post_batch(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+        with self._count_lock:
+            self.requests_sent += 1
+        if self.dialect == "tei":
+            return self._post_tei(texts, documents)
+        return self._post_openai(texts, documents)
+
+    def _post_tei(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+        url = f"{self.base_url}/embed"
+        body = request_json(
+            self._http,
+            self._retry,
+            "POST",
+            url,
+            json_body={"inputs": texts, "truncate": False, "normalize": True},
+            documents=documents,
+        )
+        if not isinstance(body, list) or len(body) != len(texts):
+            raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)
+        return [list(map(float, row)) for row in body]
+
+    def _post_openai(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+        url = f"{self.base_url}/v1/embeddings"
+
+        def attempt() -> list[list[float]]:
+            try:
+                response = self._openai.embeddings.with_raw_response.create(
+                    model=self.model_name, input=texts, encoding_format="base64"
+                )
+            except openai.APITimeoutError as error:
+                raise TransientFailure(
+                    url, f"timed out: {error}", status=None, retry_after=None
+                ) from error
+            except openai.APIConnectionError as error:
+                raise TransientFailure(
+                    url, f"cannot connect: {error}", status=None, retry_after=None
+                ) from error
+            except openai.APIStatusError as error:
+                raise_for_status(
+                    url,
+                    error.status_code,
+                    error.response.content,
+                    error.response.headers,
+                    documents=documents,
+                )
+                raise
+            return _decode_openai(url, response.http_response.json(), len(texts), documents)
+
+        return call_with_retries(self._retry, url, attempt, documents=documents)
+
+    def close(self) -> None:
+        """Release connections."""
+        self._http.close()
+        self._openai.close()
+
+    def __enter__(self) -> EmbeddingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _decode_openai(
+    url: str, body: Any, expected: int, documents: Sequence[str]
+) -> list[list[float]]:
+    """Vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or len(data) != expected:
+        raise BadResponse(url, f"expected {expected} embeddings in 'data'", documents=documents)
+    rows: list[list[float]] = [[] for _ in range(expected)]
+    for position, item in enumerate(data):
+        index = int(item.get("index", position))
+        embedding = item.get("embedding")
+        if isinstance(embedding, str):
+            rows[index] = np.frombuffer(base64.b64decode(embedding), dtype="<f4").tolist()
+        elif isinstance(embedding, list):
+            rows[index] = [float(x) for x in embedding]
+        else:
+            raise BadResponse(url, "embedding is neither a list nor base64", documents=documents)
+    return rows
+
+
+def _estimate_tokens(text: str) -> int:
+    """A deliberately generous token estimate for batch sizing (tiktoken plus a margin)."""
+    from quarry.chunking import count_tokens
+
+    return int(count_tokens(text) * 1.3) + 2

@@ -1,0 +1,476 @@
+"""The sync algorithm: plan from the index, embed, write, clean. No Prefect here.
+
+The index is the ledger: whether a document is current is read from its own
+points (``doc_hash``, ``chunk_count`` and which chunk indexes exist). Writes go
+new-points-first, stale-points-after, with deterministic point ids, so a run
+killed at any moment and run again converges on the same index as one clean run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from qdrant_client import models
+
+from quarry.chunking import Chunker
+from quarry.documents import Chunk, Document, point_id
+from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
+from quarry.errors import MassDeleteRefused, QuarryError
+from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
+from quarry.sources import LoadFailure, SourceSpec, discover, iter_documents, uri_for
+from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
+
+UPSERT_BATCH = 256
+# A batch of documents is the unit of parallel work (one Prefect task): big enough
+# that scheduling is noise, small enough that a failure or a retry costs little.
+BATCH_DOCUMENTS = 64
+BATCH_CHARACTERS = 2_000_000
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A document that could not be indexed, and why."""
+
+    uri: str
+    error: str
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What writing one batch of documents did."""
+
+    documents_embedded: int = 0
+    chunks_embedded: int = 0
+    tokens_embedded: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class IngestReport:
+    """The summary of a run; ``to_dict`` is the ``--json`` shape."""
+
+    collection: str
+    documents_seen: int = 0
+    documents_skipped: int = 0
+    documents_embedded: int = 0
+    documents_deleted: int = 0
+    documents_failed: int = 0
+    chunks_embedded: int = 0
+    chunks_deleted: int = 0
+    tokens_embedded: int = 0
+    embedding_requests: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, result: BatchResult) -> None:
+        """Fold a batch's result into the totals."""
+        self.documents_embedded += result.documents_embedded
+        self.chunks_embedded += result.chunks_embedded
+        self.tokens_embedded += result.tokens_embedded
+        self.fail(result.failures)
+
+    def fail(self, failures: Iterable[Failure]) -> None:
+        """Record failures."""
+        for failure in failures:
+            self.failures.append(failure)
+            self.documents_failed += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape documented in DESIGN.md (fields may be added, never renamed)."""
+        data = asdict(self)
+        data["failures"] = [asdict(failure) for failure in self.failures]
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePlan:
+    """What a sync of one source will do, decided before any embedding."""
+
+    spec: SourceSpec
+    state: Mapping[str, DocState]
+
+
+class IndexSync:
+    """Keeps one collection in step with its sources through one embedding service."""
+
+    def __init__(
+        self,
+        store: VectorStore,
+        embedder: EmbeddingClient,
+        chunker: Chunker,
+        *,
+        embed_headings: bool = False,
+        max_delete_fraction: float = 0.3,
+        allow_serving_change: bool = False,
+        canary_min_cosine: float = 0.999,
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.chunker = chunker
+        self.embed_headings = embed_headings
+        self.max_delete_fraction = max_delete_fraction
+        self.allow_serving_change = allow_serving_change
+        self.canary_min_cosine = canary_min_cosine
+        self.fingerprint: Fingerprint | None = None
+        self.rechunk_all = False
+        self._requests_at_start = 0
+
+    # -- before: fingerprint and plan ----------------------------------------------------
+
+    def prepare(self, report: IngestReport) -> Fingerprint:
+        """Read the live fingerprint; create the collection or refuse an incompatible one."""
+        self._requests_at_start = self.embedder.requests_sent
+        live = read_fingerprint(self.embedder)
+        if not self.store.exists():
+            self.store.create(live, self.chunker.settings)
+            report.notes.append(
+                f"created collection {self.store.alias!r} for {live.model.describe()}"
+            )
+        else:
+            stored = self.store.fingerprint()
+            if stored is not None:
+                metadata = self.store.metadata()
+                check_compatible(
+                    stored,
+                    live,
+                    collection=self.store.alias,
+                    accepted_serving=metadata.get(META_ACCEPTED_SERVING) or [],
+                    allow_serving_change=self.allow_serving_change,
+                    min_canary_cosine=self.canary_min_cosine,
+                )
+                recorded = metadata.get(META_CHUNKING)
+                if recorded is not None and dict(recorded) != dict(self.chunker.settings):
+                    self.rechunk_all = True
+                    report.notes.append(
+                        f"chunking settings changed ({recorded} -> {self.chunker.settings}): "
+                        "every document is re-chunked and re-embedded in this run"
+                    )
+        self.fingerprint = live
+        return live
+
+    def plan_source(
+        self, spec: SourceSpec, *, full_sync: bool, allow_mass_delete: bool
+    ) -> SourcePlan:
+        """Scan the index for ``spec``'s documents and refuse a mass delete before any work.
+
+        The check here is by file (cheap: no file is read); :meth:`clean_source`
+        checks again by document once every file has been loaded.
+        """
+        state = self.store.index_state(spec.name)
+        if full_sync and state:
+            present = {uri_for(path, spec) for path in discover(spec)}
+            stored_files = {_file_uri(doc.uri) for doc in state.values()}
+            self._guard_deletes(
+                spec, len(stored_files - present), len(stored_files), allow_mass_delete
+            )
+        return SourcePlan(spec=spec, state=state)
+
+    def is_current(self, plan: SourcePlan, document: Document) -> bool:
+        """True when ``document`` is indexed as it is now, so it needs no embedding."""
+        if self.rechunk_all:
+            return False
+        state = plan.state.get(document.doc_id)
+        return state is not None and state.is_current(document.doc_hash)
+
+    # -- during: embed and write ---------------------------------------------------------
+
+    def write_batch(self, documents: Sequence[Document]) -> BatchResult:
+        """Chunk, embed and write ``documents``; a bad document fails alone."""
+        result = BatchResult()
+        chunked: list[tuple[Document, list[Chunk]]] = []
+        for document in documents:
+            try:
+                chunks = self.chunker.chunk(document)
+            except (QuarryError, ValueError) as error:
+                result.failures.append(Failure(document.uri, f"chunking failed: {error}"))
+                continue
+            chunked.append((document, chunks))
+        written = self.write_chunked(chunked)
+        written.failures[:0] = result.failures
+        return written
+
+    def write_chunked(self, chunked: Sequence[tuple[Document, list[Chunk]]]) -> BatchResult:
+        """Embed and write documents already split into chunks (a reindex starts here)."""
+        result = BatchResult()
+        texts: list[str] = []
+        owners: list[str] = []
+        for document, chunks in chunked:
+            for chunk in chunks:
+                texts.append(self._embedding_text(chunk))
+                owners.append(document.uri)
+        embedded = self.embedder.embed_passages(texts, documents=owners)
+
+        points: list[models.PointStruct] = []
+        written: list[tuple[Document, int]] = []
+        cursor = 0
+        for document, chunks in chunked:
+            outcomes = embedded[cursor : cursor + len(chunks)]
+            cursor += len(chunks)
+            failure = next((o for o in outcomes if isinstance(o, EmbedFailure)), None)
+            if failure is not None:
+                result.failures.append(Failure(document.uri, str(failure.error)))
+                continue
+            doc_points = self._points(document, chunks, outcomes)  # type: ignore[arg-type]
+            points.extend(doc_points)
+            written.append((document, len(doc_points)))
+            result.tokens_embedded += sum(chunk.token_count for chunk in chunks)
+
+        failed_writes = self._upsert(points, written)
+        for document, count in written:
+            if document.doc_id in failed_writes:
+                result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
+                continue
+            try:
+                self.store.delete_stale_chunks(document.doc_id, count)
+            except QuarryError as error:
+                result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
+                continue
+            result.documents_embedded += 1
+            result.chunks_embedded += count
+        return result
+
+    def _embedding_text(self, chunk: Chunk) -> str:
+        return self.embedding_text_for(chunk.text, chunk.headings)
+
+    def embedding_text_for(self, text: str, headings: Sequence[str]) -> str:
+        """The text that is embedded for a chunk (headings prepended when configured)."""
+        if self.embed_headings and headings:
+            return " > ".join(headings) + "\n\n" + text
+        return text
+
+    def _points(
+        self,
+        document: Document,
+        chunks: Sequence[Chunk],
+        outcomes: Sequence[list[EmbeddedPart]],
+    ) -> list[models.PointStruct]:
+        assert self.fingerprint is not None, "prepare() must run first"
+        pieces: list[tuple[Chunk, str, int, int, list[float]]] = []
+        for chunk, parts in zip(chunks, outcomes, strict=True):
+            prefix = len(self._embedding_text(chunk)) - len(chunk.text)
+            offset = 0
+            for part in parts:
+                start = max(offset - prefix, 0)
+                end = max(offset + len(part.text) - prefix, 0)
+                offset += len(part.text)
+                text = chunk.text[start:end] if len(parts) > 1 else chunk.text
+                if len(parts) == 1:
+                    start, end = 0, len(chunk.text)
+                pieces.append(
+                    (chunk, text, chunk.char_start + start, chunk.char_start + end, part.vector)
+                )
+        now = datetime.now(UTC).isoformat()
+        total = len(pieces)
+        points = []
+        for index, (chunk, text, char_start, char_end, vector) in enumerate(pieces):
+            payload: dict[str, Any] = {
+                "doc_id": document.doc_id,
+                "uri": document.uri,
+                "source": document.uri.split("/", 1)[0],
+                "path_prefixes": path_prefixes(document.uri),
+                "title": document.title,
+                "chunk_index": index,
+                "chunk_count": total,
+                "doc_hash": document.doc_hash,
+                "text": text,
+                "headings": list(chunk.headings),
+                "token_count": chunk.token_count if len(text) == len(chunk.text) else None,
+                "char_start": char_start,
+                "char_end": char_end,
+                "model_key": self.fingerprint.model_key,
+                "ingested_at": now,
+                "metadata": dict(document.metadata),
+            }
+            points.append(
+                models.PointStruct(
+                    id=point_id(document.doc_id, index), vector=vector, payload=payload
+                )
+            )
+        return points
+
+    def _upsert(
+        self, points: list[models.PointStruct], written: list[tuple[Document, int]]
+    ) -> dict[str, str]:
+        """Upsert in batches; on a failed batch retry per document to isolate it."""
+        try:
+            for start in range(0, len(points), UPSERT_BATCH):
+                self.store.upsert(points[start : start + UPSERT_BATCH])
+            return {}
+        except QuarryError:
+            pass
+        failed: dict[str, str] = {}
+        for document, _count in written:
+            own = [p for p in points if (p.payload or {}).get("doc_id") == document.doc_id]
+            try:
+                for start in range(0, len(own), UPSERT_BATCH):
+                    self.store.upsert(own[start : start + UPSERT_BATCH])
+            except QuarryError as error:
+                failed[document.doc_id] = f"write failed: {error}"
+        return failed
+
+    # -- after: deletes --------------------------------------------------------------------
+
+    def clean_source(
+        self,
+        plan: SourcePlan,
+        seen: set[str],
+        failed_uris: set[str],
+        *,
+        allow_mass_delete: bool,
+    ) -> tuple[int, int]:
+        """Delete documents gone from a fully synced source; returns (documents, points).
+
+        A file that failed to load is not gone: its documents are kept.
+        """
+        gone = [
+            state
+            for doc_id, state in plan.state.items()
+            if doc_id not in seen and _file_uri(state.uri) not in failed_uris
+        ]
+        self._guard_deletes(plan.spec, len(gone), len(plan.state), allow_mass_delete)
+        self.store.delete_documents([state.doc_id for state in gone])
+        return len(gone), sum(state.points for state in gone)
+
+    def _guard_deletes(
+        self, spec: SourceSpec, deleting: int, existing: int, allow_mass_delete: bool
+    ) -> None:
+        if allow_mass_delete or existing == 0 or deleting == 0:
+            return
+        fraction = deleting / existing
+        if fraction > self.max_delete_fraction:
+            raise MassDeleteRefused(
+                f"syncing {spec.root} would delete {deleting} of the {existing} documents "
+                f"indexed from source {spec.name!r} ({fraction:.0%} > "
+                f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
+                "mounted and the glob right? Rerun with --allow-mass-delete if this is intended."
+            )
+
+    def finish(self, report: IngestReport) -> None:
+        """Record run-wide facts: request count, and the chunking settings now in force."""
+        report.embedding_requests = self.embedder.requests_sent - self._requests_at_start
+        if self.rechunk_all and report.documents_failed == 0:
+            self.store.update_metadata({META_CHUNKING: dict(self.chunker.settings)})
+
+
+def path_prefixes(uri: str) -> list[str]:
+    """Every folder prefix of a uri (``a/``, ``a/b/``), indexed so queries can filter by folder."""
+    parts = uri.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
+
+
+def _file_uri(uri: str) -> str:
+    """The file part of a document uri (PDF pages are ``file.pdf#page=N``)."""
+    return uri.split("#", 1)[0]
+
+
+class _Result(Protocol):
+    def result(self) -> BatchResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    value: BatchResult
+
+    def result(self) -> BatchResult:
+        return self.value
+
+
+def run_inline(sync: IndexSync, documents: list[Document]) -> _Result:
+    """The default way to run a batch: here and now."""
+    return _Done(sync.write_batch(documents))
+
+
+def run_sync(
+    sync: IndexSync,
+    specs: Sequence[SourceSpec],
+    *,
+    full_sync: bool = True,
+    allow_mass_delete: bool = False,
+    max_file_bytes: int = 20 * 1024 * 1024,
+    submit: Callable[[IndexSync, list[Document]], _Result] = run_inline,
+    window: int = 4,
+    log: logging.Logger | logging.LoggerAdapter[Any] = logger,
+) -> IngestReport:
+    """Sync every source into the collection and return the report.
+
+    ``submit`` runs one batch of documents and returns something with
+    ``result()`` (a Prefect future in the flow); at most ``window`` batches are in
+    flight, so memory stays bounded whatever the corpus size.
+    """
+    report = IngestReport(collection=sync.store.alias)
+    sync.prepare(report)
+    for note in report.notes:
+        log.info(note)
+    for spec in specs:
+        plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
+        seen: set[str] = set()
+        failed_uris: set[str] = set()
+        pending = _pending_documents(sync, plan, report, seen, failed_uris, max_file_bytes, log)
+        in_flight: deque[_Result] = deque()
+        for batch in _batches(pending):
+            in_flight.append(submit(sync, batch))
+            while len(in_flight) >= window:
+                _collect(in_flight.popleft(), report, log)
+        while in_flight:
+            _collect(in_flight.popleft(), report, log)
+        if full_sync:
+            deleted, points = sync.clean_source(
+                plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
+            )
+            report.documents_deleted += deleted
+            report.chunks_deleted += points
+    sync.finish(report)
+    return report
+
+
+def _pending_documents(
+    sync: IndexSync,
+    plan: SourcePlan,
+    report: IngestReport,
+    seen: set[str],
+    failed_uris: set[str],
+    max_file_bytes: int,
+    log: logging.Logger | logging.LoggerAdapter[Any],
+) -> Iterator[Document]:
+    """Load a source's documents, recording what was seen and failed; yield the changed ones."""
+    for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes):
+        if isinstance(item, LoadFailure):
+            log.warning("skipped %s: %s", item.uri, item.error)
+            failed_uris.add(_file_uri(item.uri))
+            report.fail([Failure(item.uri, item.error)])
+            continue
+        report.documents_seen += 1
+        seen.add(item.doc_id)
+        if sync.is_current(plan, item):
+            report.documents_skipped += 1
+            continue
+        yield item
+
+
+def _batches(items: Iterator[Document]) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    size = 0
+    for document in items:
+        batch.append(document)
+        size += len(document.text)
+        if len(batch) >= BATCH_DOCUMENTS or size >= BATCH_CHARACTERS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _collect(
+    future: _Result, report: IngestReport, log: logging.Logger | logging.LoggerAdapter[Any]
+) -> None:
+    result = future.result()
+    for failure in result.failures:
+        log.warning("failed %s: %s", failure.uri, failure.error)
+    report.add(result)

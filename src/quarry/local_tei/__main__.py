@@ -1,0 +1,66 @@
+"""``python -m quarry.local_tei``: run the local TEI-compatible service in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ._config import LocalTEIConfig
+from ._server import serve
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = LocalTEIConfig(backend="hash")
+    p = argparse.ArgumentParser(
+        prog="python -m quarry.local_tei",
+        description="Serve Text Embeddings Inference 1.9.3's HTTP API locally.",
+    )
+    p.add_argument("--backend", choices=["minilm", "hash"], default="minilm")
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
+    p.add_argument("--dims", type=int, default=defaults.dims, help="hash backend only")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="hash backend only")
+    p.add_argument("--max-input-length", type=int, default=None)
+    p.add_argument("--max-client-batch-size", type=int, default=defaults.max_client_batch_size)
+    p.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    p.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests)
+    p.add_argument("--latency-ms", type=float, default=defaults.latency_ms)
+    p.add_argument("--per-token-us", type=float, default=defaults.per_token_us)
+    p.add_argument("--fault-rate", type=float, default=defaults.fault_rate)
+    p.add_argument("--payload-limit", type=int, default=defaults.payload_limit)
+    p.add_argument("--engine-version", default=defaults.engine_version)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--rerank-dialect", choices=["tei", "cohere"], default="tei")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the command line and serve until interrupted."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = LocalTEIConfig(
+            backend=args.backend,
+            host=args.host,
+            port=args.port,
+            dims=args.dims,
+            seed=args.seed,
+            max_input_length=args.max_input_length,
+            max_client_batch_size=args.max_client_batch_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_concurrent_requests=args.max_concurrent_requests,
+            latency_ms=args.latency_ms,
+            per_token_us=args.per_token_us,
+            fault_rate=args.fault_rate,
+            payload_limit=args.payload_limit,
+            engine_version=args.engine_version,
+            api_key=args.api_key,
+            rerank_dialect=args.rerank_dialect,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

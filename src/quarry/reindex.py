@@ -1,0 +1,250 @@
+"""Blue/green rebuilds: a new physical collection beside the old, then an atomic alias switch.
+
+A reindex builds ``<alias>__<model_key>__<UTC timestamp>`` with the live
+service's fingerprint, from the chunk texts already stored (default) or from
+the sources, verifies it, and only then points the alias at it. Queries keep
+being answered from the old collection until that instant, and the old one is
+kept for :func:`rollback` until pruned.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from qdrant_client import models
+
+from quarry.documents import Chunk, Document
+from quarry.errors import Refused, StoreError
+from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
+from quarry.ingest import IndexSync, IngestReport, run_sync
+from quarry.sources import SourceSpec
+from quarry.store import CollectionInfo, VectorStore
+
+META_PREVIOUS = "quarry_previous"
+VERIFY_SAMPLE = 16
+REINDEX_DOCUMENTS_PER_BATCH = 64
+
+
+@dataclass(slots=True)
+class ReindexReport:
+    """What a reindex did; ``to_dict`` is the ``--json`` shape."""
+
+    alias: str
+    previous: str | None
+    collection: str
+    model: dict[str, Any]
+    documents: int = 0
+    points: int = 0
+    verified_sample: int = 0
+    min_sample_cosine: float = 1.0
+    evaluation: dict[str, Any] | None = None
+    switched: bool = False
+    failures: list[dict[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "alias": self.alias,
+            "previous": self.previous,
+            "collection": self.collection,
+            "model": self.model,
+            "documents": self.documents,
+            "points": self.points,
+            "verified_sample": self.verified_sample,
+            "min_sample_cosine": round(self.min_sample_cosine, 6),
+            "evaluation": self.evaluation,
+            "switched": self.switched,
+            "failures": self.failures,
+        }
+
+
+def stored_documents(
+    store: VectorStore, batch: int = REINDEX_DOCUMENTS_PER_BATCH
+) -> Iterator[list[tuple[Document, list[Chunk]]]]:
+    """The documents in the alias's collection rebuilt from their points, in batches.
+
+    The stored chunk texts are re-used as they are: a reindex re-embeds, it
+    does not re-chunk (``--from-source`` does both).
+    """
+    doc_ids = sorted(store.index_state())
+    for start in range(0, len(doc_ids), batch):
+        wanted = doc_ids[start : start + batch]
+        points = store.scroll(
+            query_filter=models.Filter(
+                must=[models.FieldCondition(key="doc_id", match=models.MatchAny(any=wanted))]
+            )
+        )
+        by_doc: dict[str, list[dict[str, Any]]] = {}
+        for point in points:
+            payload = point.payload or {}
+            by_doc.setdefault(str(payload["doc_id"]), []).append(payload)
+        group: list[tuple[Document, list[Chunk]]] = []
+        for doc_id in wanted:
+            payloads = sorted(by_doc.get(doc_id, []), key=lambda p: int(p["chunk_index"]))
+            if not payloads:
+                continue
+            first = payloads[0]
+            document = Document(
+                doc_id=doc_id,
+                uri=str(first["uri"]),
+                text="",
+                title=str(first.get("title", "")),
+                metadata=dict(first.get("metadata") or {}),
+                doc_hash=str(first["doc_hash"]),
+            )
+            chunks = [
+                Chunk(
+                    doc_id=doc_id,
+                    index=int(p["chunk_index"]),
+                    text=str(p["text"]),
+                    token_count=int(p.get("token_count") or 0),
+                    headings=tuple(p.get("headings") or ()),
+                    char_start=int(p.get("char_start", 0)),
+                    char_end=int(p.get("char_end", 0)),
+                )
+                for p in payloads
+            ]
+            group.append((document, chunks))
+        yield group
+
+
+def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[int, float]:
+    """Check the new collection: the point count, and a sample of vectors re-embedded.
+
+    Returns (sampled points, lowest cosine). Raises StoreError when it does not hold.
+    """
+    count = target.count()
+    if count != expected_points:
+        raise StoreError(
+            target.alias,
+            f"new collection {target.resolve()} holds {count} points, expected "
+            f"{expected_points}; the alias was not switched",
+        )
+    # Pieces of a split chunk are left out: their embedded text had part of a prefix.
+    ids = [
+        str(record.id)
+        for record in target.scroll(fields=["token_count"])
+        if (record.payload or {}).get("token_count") is not None
+    ]
+    sample = random.Random(0).sample(ids, min(VERIFY_SAMPLE, len(ids)))
+    if not sample:
+        return 0, 1.0
+    records = target.client.retrieve(
+        target.resolve() or "", ids=sample, with_payload=True, with_vectors=True
+    )
+    embedded = [
+        sync.embedding_text_for(
+            str((record.payload or {}).get("text", "")),
+            tuple((record.payload or {}).get("headings") or ()),
+        )
+        for record in records
+    ]
+    vectors = sync.embedder.embed_raw(
+        [sync.embedder.profile.format_passage(text) for text in embedded]
+    )
+    lowest = min(
+        cosine(record.vector, vector)  # type: ignore[arg-type]
+        for record, vector in zip(records, vectors, strict=True)
+    )
+    if lowest < 0.999:
+        raise StoreError(
+            target.alias,
+            f"new collection {target.resolve()}: a sampled vector re-embeds with cosine "
+            f"{lowest:.5f} < 0.999; the embedding service is not deterministic or changed "
+            "during the reindex; the alias was not switched",
+        )
+    return len(records), lowest
+
+
+def reindex(
+    store: VectorStore,
+    make_sync: Callable[[VectorStore], IndexSync],
+    *,
+    from_source: Sequence[SourceSpec] = (),
+    max_file_bytes: int = 20 * 1024 * 1024,
+    gate: Callable[[], dict[str, Any]] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> ReindexReport:
+    """Rebuild the alias's collection with the live model and switch to it when it checks out.
+
+    ``make_sync`` builds an IndexSync over a given store view. ``gate`` (an
+    evaluation) runs before the switch; it raises Refused to stop it.
+    """
+    previous = store.alias_target()
+    if previous is None and not from_source:
+        raise StoreError(store.alias, "does not exist; nothing to reindex (use --from-source PATH)")
+    probe = make_sync(store)
+    live: Fingerprint = read_fingerprint(probe.embedder)
+    physical = store.create_physical(live, probe.chunker.settings)
+    target = store.view(physical)
+    sync = make_sync(target)
+    report = ReindexReport(
+        alias=store.alias,
+        previous=previous,
+        collection=physical,
+        model={"model_id": live.model.model_id, "model_key": live.model_key},
+    )
+    progress(f"building {physical} with {live.model.describe()}")
+    ingest = IngestReport(collection=physical)
+    if from_source:
+        ingest = run_sync(sync, from_source, full_sync=True, max_file_bytes=max_file_bytes)
+    else:
+        sync.prepare(ingest)
+        for group in stored_documents(store):
+            ingest.add(sync.write_chunked(group))
+            progress(f"re-embedded {ingest.documents_embedded} documents")
+    report.documents = ingest.documents_embedded
+    report.points = ingest.chunks_embedded
+    report.failures = [{"uri": f.uri, "error": f.error} for f in ingest.failures]
+    if ingest.failures:
+        raise Refused(
+            f"reindex into {physical}: {len(ingest.failures)} documents failed (first: "
+            f"{ingest.failures[0].uri}: {ingest.failures[0].error}); the alias still points "
+            f"at {previous}. Fix the cause and run `quarry reindex` again."
+        )
+    report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
+    if gate is not None:
+        report.evaluation = gate()
+    target.update_metadata({META_PREVIOUS: previous})
+    store.point_alias(physical)
+    report.switched = True
+    progress(f"alias {store.alias} -> {physical}")
+    return report
+
+
+def rollback(store: VectorStore) -> tuple[str, str]:
+    """Point the alias back at the collection it served before the last reindex."""
+    current = store.alias_target()
+    if current is None:
+        raise StoreError(store.alias, "does not exist; nothing to roll back")
+    previous = store.metadata(current).get(META_PREVIOUS)
+    names = {info.name for info in store.collections()}
+    if not previous or previous not in names:
+        raise StoreError(
+            store.alias,
+            f"{current} records no previous collection that still exists (pruned?); "
+            "nothing to roll back to",
+        )
+    store.point_alias(str(previous))
+    return current, str(previous)
+
+
+def prune(store: VectorStore, keep: int) -> list[str]:
+    """Delete this alias's older physical collections, keeping the ``keep`` newest and
+    always the one the alias serves. Returns the names deleted."""
+    if keep < 1:
+        raise ValueError("--keep must be at least 1")
+    current = store.alias_target()
+    collections: list[CollectionInfo] = store.collections()
+    kept = 0
+    dropped: list[str] = []
+    for info in collections:  # newest first
+        if info.name == current or kept < keep:
+            kept += 1
+            continue
+        store.drop(info.name)
+        dropped.append(info.name)
+    return dropped

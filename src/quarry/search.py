@@ -1,0 +1,310 @@
+"""The query path: format -> embed -> search -> rerank -> threshold.
+
+Used by ``quarry query`` and, through its async twin in the API, by
+applications. The index's fingerprint is checked against the live embedding
+service once, before the first query: a query is never answered from vectors
+another model made.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from qdrant_client import models
+
+from quarry.embeddings import EmbeddingClient
+from quarry.errors import ServiceError
+from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
+from quarry.rerank import RerankClient
+from quarry.store import META_ACCEPTED_SERVING, VectorStore
+
+Collapse = Literal["none", "doc"]
+
+
+@dataclass(frozen=True, slots=True)
+class SearchFilter:
+    """Restrict candidates: a folder or file uri prefix, document ids, metadata values."""
+
+    uri_prefix: str | None = None
+    doc_ids: Sequence[str] | None = None
+    metadata: Mapping[str, Any] | None = None
+
+    def to_qdrant(self) -> models.Filter | None:
+        """The equivalent Qdrant filter, or None when nothing is restricted."""
+        must: list[models.Condition] = []
+        if self.uri_prefix:
+            prefix = self.uri_prefix
+            must.append(
+                models.Filter(
+                    should=[
+                        models.FieldCondition(key="uri", match=models.MatchValue(value=prefix)),
+                        models.FieldCondition(
+                            key="path_prefixes",
+                            match=models.MatchValue(value=prefix.rstrip("/") + "/"),
+                        ),
+                    ]
+                )
+            )
+        if self.doc_ids:
+            must.append(
+                models.FieldCondition(key="doc_id", match=models.MatchAny(any=list(self.doc_ids)))
+            )
+        for key, value in (self.metadata or {}).items():
+            must.append(
+                models.FieldCondition(key=f"metadata.{key}", match=models.MatchValue(value=value))
+            )
+        return models.Filter(must=must) if must else None
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """One passage in an answer."""
+
+    text: str
+    score: float
+    vector_score: float
+    rerank_score: float | None
+    uri: str
+    doc_id: str
+    chunk_index: int
+    headings: list[str]
+    title: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SearchResponse:
+    """The answer to one query; ``to_dict`` is the ``--json`` shape."""
+
+    results: list[SearchResult]
+    reranked: bool
+    model: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "results": [asdict(result) for result in self.results],
+            "reranked": self.reranked,
+            "model": self.model,
+            "warnings": self.warnings,
+            "timings_ms": self.timings_ms,
+        }
+
+
+def result_from_point(point: models.ScoredPoint, rerank_score: float | None) -> SearchResult:
+    """A SearchResult from a Qdrant hit and an optional rerank score."""
+    payload = point.payload or {}
+    return SearchResult(
+        text=str(payload.get("text", "")),
+        score=rerank_score if rerank_score is not None else float(point.score),
+        vector_score=float(point.score),
+        rerank_score=rerank_score,
+        uri=str(payload.get("uri", "")),
+        doc_id=str(payload.get("doc_id", "")),
+        chunk_index=int(payload.get("chunk_index", 0)),
+        headings=list(payload.get("headings") or []),
+        title=str(payload.get("title", "")),
+        metadata=dict(payload.get("metadata") or {}),
+    )
+
+
+def collapse_by_document(results: Sequence[SearchResult]) -> list[SearchResult]:
+    """Keep each document's best passage only (results must be sorted best first)."""
+    seen: set[str] = set()
+    kept = []
+    for result in results:
+        if result.doc_id not in seen:
+            seen.add(result.doc_id)
+            kept.append(result)
+    return kept
+
+
+RerankOutcome = Literal["reranked", "skipped", "failed"]
+"""What became of the rerank step: scores came back, it was not asked for, or it failed."""
+
+
+def rerank_texts(hits: Sequence[models.ScoredPoint]) -> list[str]:
+    """The passage texts of Qdrant hits, in order, as the reranker scores them."""
+    return [str((hit.payload or {}).get("text", "")) for hit in hits]
+
+
+def rerank_fallback_warning(reason: object) -> str:
+    """The warning given when the reranker failed and vector scores answer instead."""
+    return f"reranker unavailable, answering from vector scores: {reason}"
+
+
+def score_threshold(
+    outcome: RerankOutcome, requested: float | None, default: float
+) -> float | None:
+    """The score under which results are dropped, or None for no cut.
+
+    Rerank scores are cut at the requested threshold, else the configured one;
+    vector scores only at an explicitly requested one; and a fallback to vector
+    scores after a failed rerank is not cut (the threshold is on the rerank scale).
+    """
+    if outcome == "reranked":
+        return default if requested is None else requested
+    if outcome == "failed":
+        return None
+    return requested
+
+
+def rank_results(
+    hits: Sequence[models.ScoredPoint],
+    rerank_scores: Sequence[float] | None,
+    *,
+    threshold: float | None,
+    collapse: Collapse,
+    top_k: int,
+) -> list[SearchResult]:
+    """The answer from Qdrant hits and optional rerank scores (one per hit).
+
+    Drops results under ``threshold``, sorts best first (stable, so ties keep
+    Qdrant's order), collapses to one passage per document when asked, and keeps
+    ``top_k``.
+    """
+    if rerank_scores is None:
+        results = [result_from_point(hit, None) for hit in hits]
+    else:
+        results = [
+            result_from_point(hit, score) for hit, score in zip(hits, rerank_scores, strict=True)
+        ]
+    if threshold is not None:
+        results = [result for result in results if result.score >= threshold]
+    results.sort(key=lambda result: result.score, reverse=True)
+    if collapse == "doc":
+        results = collapse_by_document(results)
+    return results[:top_k]
+
+
+def model_summary(fingerprint: Fingerprint) -> dict[str, str]:
+    """``{"model_id", "model_key"}`` of the model that built the index, for answers."""
+    return {"model_id": fingerprint.model.model_id, "model_key": fingerprint.model_key}
+
+
+def verify_fingerprint(
+    stored: Fingerprint | None,
+    live: Fingerprint,
+    metadata: Mapping[str, Any],
+    *,
+    collection: str,
+    allow_serving_change: bool = False,
+    canary_min_cosine: float = 0.999,
+) -> Fingerprint:
+    """The fingerprint queries run under, once the live service is shown to have built the index.
+
+    ``metadata`` is the collection's (for the accepted serving changes). Raises
+    Refused when the live service cannot produce comparable vectors; a
+    collection quarry did not create (no stored fingerprint) runs under ``live``.
+    """
+    if stored is None:
+        return live
+    check_compatible(
+        stored,
+        live,
+        collection=collection,
+        accepted_serving=metadata.get(META_ACCEPTED_SERVING) or [],
+        allow_serving_change=allow_serving_change,
+        min_canary_cosine=canary_min_cosine,
+    )
+    return stored
+
+
+class Searcher:
+    """Answers queries against one collection."""
+
+    def __init__(
+        self,
+        store: VectorStore,
+        embedder: EmbeddingClient,
+        reranker: RerankClient | None,
+        *,
+        threshold: float = 0.3,
+        rerank_required: bool = False,
+        allow_serving_change: bool = False,
+        canary_min_cosine: float = 0.999,
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.reranker = reranker
+        self.threshold = threshold
+        self.rerank_required = rerank_required
+        self.allow_serving_change = allow_serving_change
+        self.canary_min_cosine = canary_min_cosine
+        self._checked: Fingerprint | None = None
+
+    def check(self) -> Fingerprint:
+        """Verify once that the live embedding service built this index; raise Refused if not."""
+        if self._checked is None:
+            stored = self.store.fingerprint()
+            live = read_fingerprint(self.embedder)
+            self._checked = verify_fingerprint(
+                stored,
+                live,
+                self.store.metadata() if stored is not None else {},
+                collection=self.store.alias,
+                allow_serving_change=self.allow_serving_change,
+                canary_min_cosine=self.canary_min_cosine,
+            )
+        return self._checked
+
+    def search(
+        self,
+        query: str,
+        *,
+        top_k: int = 10,
+        candidates: int = 50,
+        rerank: bool = True,
+        threshold: float | None = None,
+        search_filter: SearchFilter | None = None,
+        collapse: Collapse = "none",
+    ) -> SearchResponse:
+        """Answer ``query`` with up to ``top_k`` passages, best first."""
+        fingerprint = self.check()
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        vector = self.embedder.embed_query(query)
+        timings["embed"] = _ms_since(started)
+
+        started = time.perf_counter()
+        query_filter = search_filter.to_qdrant() if search_filter else None
+        hits = self.store.search(vector, max(candidates, top_k), query_filter)
+        timings["search"] = _ms_since(started)
+
+        warnings: list[str] = []
+        scores: list[float] | None = None
+        outcome: RerankOutcome = "skipped"
+        if rerank and self.reranker is not None and hits:
+            started = time.perf_counter()
+            try:
+                scores = self.reranker.score(query, rerank_texts(hits))
+                outcome = "reranked"
+            except ServiceError as error:
+                if self.rerank_required:
+                    raise
+                warnings.append(rerank_fallback_warning(error))
+                outcome = "failed"
+            timings["rerank"] = _ms_since(started)
+        results = rank_results(
+            hits,
+            scores,
+            threshold=score_threshold(outcome, threshold, self.threshold),
+            collapse=collapse,
+            top_k=top_k,
+        )
+        return SearchResponse(
+            results=results,
+            reranked=outcome == "reranked",
+            model=model_summary(fingerprint),
+            warnings=warnings,
+            timings_ms=timings,
+        )
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)

@@ -1,0 +1,105 @@
+"""Building the clients from Settings: the one place that does.
+
+``open_services`` is used by the CLI, the API and the flows. With no
+``QUARRY_EMBED_URL`` it starts :mod:`quarry.local_tei` in this process on a free
+loopback port (and says so on stderr), and stops it on exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+from quarry._http import RetryPolicy
+from quarry.config import Settings
+from quarry.embeddings import EmbeddingClient
+from quarry.rerank import RerankClient
+from quarry.store import VectorStore, open_client
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """The live clients one command works with."""
+
+    settings: Settings
+    embedder: EmbeddingClient
+    reranker: RerankClient
+    store: VectorStore
+    embed_url: str
+    rerank_url: str
+
+
+def _secret(value: object) -> str | None:
+    getter = getattr(value, "get_secret_value", None)
+    return getter() if getter else None
+
+
+@contextmanager
+def start_local_tei_if_needed(settings: Settings, *, quiet: bool = False) -> Iterator[str]:
+    """Yield the embedding service URL, starting local_tei when none is configured."""
+    if settings.embed_url:
+        yield settings.embed_url
+        return
+    from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+
+    server = LocalTEIServer(LocalTEIConfig())
+    if not quiet:
+        print(
+            "quarry: QUARRY_EMBED_URL is not set; starting the local TEI-compatible service "
+            "(all-MiniLM-L6-v2 on CPU) in this process...",
+            file=sys.stderr,
+        )
+    server.start()
+    if not quiet:
+        print(f"quarry: local TEI-compatible service at {server.url}", file=sys.stderr)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def retry_policy(settings: Settings) -> RetryPolicy:
+    """The clients' retry policy from settings."""
+    return RetryPolicy(budget=settings.retry_budget)
+
+
+@contextmanager
+def open_services(settings: Settings, *, quiet: bool = False) -> Iterator[Services]:
+    """Clients for the embedding service, the reranker and Qdrant, closed on exit."""
+    with ExitStack() as stack:
+        embed_url = stack.enter_context(start_local_tei_if_needed(settings, quiet=quiet))
+        policy = retry_policy(settings)
+        embedder = EmbeddingClient(
+            embed_url,
+            api_key=_secret(settings.embed_api_key),
+            model=settings.embed_model,
+            timeout=settings.embed_timeout,
+            retry=policy,
+            batch_size=settings.embed_batch_size,
+            concurrency=settings.embed_concurrency,
+            prompt_profile=settings.prompt_profile,
+            query_task=settings.query_task,
+            dialect=settings.embed_dialect,
+        )
+        stack.callback(embedder.close)
+        rerank_url = settings.rerank_url or embed_url
+        reranker = RerankClient(
+            rerank_url,
+            api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
+            timeout=settings.embed_timeout,
+            retry=policy,
+            dialect=settings.rerank_dialect,
+        )
+        stack.callback(reranker.close)
+        store = VectorStore(open_client(settings), settings.collection)
+        stack.callback(store.close)
+        yield Services(
+            settings=settings,
+            embedder=embedder,
+            reranker=reranker,
+            store=store,
+            embed_url=embed_url,
+            rerank_url=rerank_url,
+        )

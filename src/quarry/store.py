@@ -1,0 +1,350 @@
+"""Qdrant: collections behind an alias, fingerprint metadata, checked writes, index scans.
+
+The alias (``QUARRY_COLLECTION``) is what users name; it points at a physical
+collection ``<alias>__<model_key>__<UTC yyyymmddHHMMSS>``, so a reindex builds a
+new one beside it and switches the alias atomically.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from qdrant_client import QdrantClient, models
+
+from quarry.config import Settings
+from quarry.errors import StoreError, StoreLocked, WriteFailed
+from quarry.fingerprint import Fingerprint
+
+META_FINGERPRINT = "quarry_fingerprint"
+META_CHUNKING = "quarry_chunking"
+META_ACCEPTED_SERVING = "quarry_accepted_serving"
+META_PARITY = "quarry_parity"
+
+INDEXED_FIELDS: dict[str, models.PayloadSchemaType] = {
+    "doc_id": models.PayloadSchemaType.KEYWORD,
+    "doc_hash": models.PayloadSchemaType.KEYWORD,
+    "uri": models.PayloadSchemaType.KEYWORD,
+    "source": models.PayloadSchemaType.KEYWORD,
+    "path_prefixes": models.PayloadSchemaType.KEYWORD,
+    "model_key": models.PayloadSchemaType.KEYWORD,
+    "chunk_index": models.PayloadSchemaType.INTEGER,
+}
+_SCAN_FIELDS = ["doc_id", "uri", "doc_hash", "chunk_count", "chunk_index"]
+
+
+@dataclass(slots=True)
+class DocState:
+    """What the index holds for one document, read from its points."""
+
+    doc_id: str
+    uri: str
+    hashes: set[str] = field(default_factory=set)
+    chunk_counts: set[int] = field(default_factory=set)
+    indexes: set[int] = field(default_factory=set)
+    points: int = 0
+
+    def is_current(self, doc_hash: str) -> bool:
+        """True when every point carries ``doc_hash`` and exactly chunks 0..n-1 exist."""
+        if self.hashes != {doc_hash} or len(self.chunk_counts) != 1:
+            return False
+        (count,) = self.chunk_counts
+        return self.points == count and self.indexes == set(range(count))
+
+
+@dataclass(frozen=True, slots=True)
+class CollectionInfo:
+    """A physical collection as ``quarry collections`` lists it."""
+
+    name: str
+    aliases: tuple[str, ...]
+    points: int
+    metadata: Mapping[str, Any]
+
+
+def open_client(settings: Settings) -> QdrantClient:
+    """A Qdrant client: a server when ``QUARRY_QDRANT_URL`` is set, else local mode on disk."""
+    if settings.qdrant_url:
+        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
+        return QdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
+    settings.qdrant_path.mkdir(parents=True, exist_ok=True)
+    try:
+        return QdrantClient(path=str(settings.qdrant_path))
+    except RuntimeError as error:
+        if "already accessed" in str(error):
+            raise local_mode_locked(settings) from error
+        raise
+
+
+def local_mode_locked(settings: Settings) -> StoreLocked:
+    """The error for a local-mode Qdrant folder that another process holds."""
+    return StoreLocked(
+        settings.collection,
+        f"local-mode Qdrant at {settings.qdrant_path} is in use by another quarry "
+        "process (local mode admits one process at a time). Wait for it to finish, "
+        "or run a Qdrant server and set QUARRY_QDRANT_URL so several processes "
+        "(an ingest and the API) can share the index.",
+    )
+
+
+def physical_name(alias: str, model_key: str, when: datetime | None = None) -> str:
+    """``<alias>__<model_key>__<UTC yyyymmddHHMMSS>``."""
+    stamp = (when or datetime.now(UTC)).strftime("%Y%m%d%H%M%S")
+    return f"{alias}__{model_key}__{stamp}"
+
+
+class VectorStore:
+    """One alias in Qdrant and the physical collection it points at."""
+
+    def __init__(self, client: QdrantClient, alias: str, *, pinned: str | None = None) -> None:
+        self.client = client
+        self.alias = alias
+        self.pinned = pinned
+        # Local-mode Qdrant is not safe for concurrent writers inside one process.
+        self._write_lock = threading.Lock()
+
+    @property
+    def is_local(self) -> bool:
+        """True for local-mode Qdrant (files in this process), False for a server."""
+        return type(getattr(self.client, "_client", None)).__name__ == "QdrantLocal"
+
+    def view(self, physical: str) -> VectorStore:
+        """The same store, but reading and writing ``physical`` instead of the alias's target.
+
+        A reindex builds its new collection through such a view while the alias
+        still serves the old one.
+        """
+        view = VectorStore(self.client, self.alias, pinned=physical)
+        view._write_lock = self._write_lock
+        return view
+
+    # -- collections and aliases ----------------------------------------------------------
+
+    def resolve(self) -> str | None:
+        """The physical collection behind the alias (or the pinned one), None when none."""
+        if self.pinned is not None:
+            return self.pinned
+        return self.alias_target()
+
+    def exists(self) -> bool:
+        """True when the alias points at a collection."""
+        return self.resolve() is not None
+
+    def create_physical(
+        self, fingerprint: Fingerprint, chunking: Mapping[str, Any], name: str | None = None
+    ) -> str:
+        """Create a new physical collection for ``fingerprint``; does not touch the alias."""
+        name = name or physical_name(self.alias, fingerprint.model_key)
+        self.client.create_collection(
+            name,
+            vectors_config=models.VectorParams(
+                size=fingerprint.model.dimensions, distance=models.Distance.COSINE
+            ),
+            metadata={
+                META_FINGERPRINT: fingerprint.to_metadata(),
+                META_CHUNKING: dict(chunking),
+                META_ACCEPTED_SERVING: [],
+                "quarry_alias": self.alias,
+            },
+        )
+        if not self.is_local:  # local mode has no payload indexes (and warns if asked)
+            for field_name, schema in INDEXED_FIELDS.items():
+                self.client.create_payload_index(name, field_name, field_schema=schema, wait=True)
+        return name
+
+    def alias_target(self) -> str | None:
+        """Where the alias points now (ignores a pinned view)."""
+        for alias in self.client.get_aliases().aliases:
+            if alias.alias_name == self.alias:
+                return alias.collection_name
+        return None
+
+    def point_alias(self, physical: str) -> None:
+        """Point the alias at ``physical`` in one atomic alias update."""
+        operations: list[models.CreateAliasOperation | models.DeleteAliasOperation] = []
+        if self.alias_target() is not None:
+            operations.append(
+                models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name=self.alias))
+            )
+        operations.append(
+            models.CreateAliasOperation(
+                create_alias=models.CreateAlias(collection_name=physical, alias_name=self.alias)
+            )
+        )
+        self.client.update_collection_aliases(change_aliases_operations=operations)
+
+    def create(self, fingerprint: Fingerprint, chunking: Mapping[str, Any]) -> str:
+        """Create the first physical collection and point the alias at it."""
+        physical = self.create_physical(fingerprint, chunking)
+        self.point_alias(physical)
+        return physical
+
+    def metadata(self, physical: str | None = None) -> dict[str, Any]:
+        """The collection's metadata (empty when it has none)."""
+        name = physical or self._require()
+        return dict(self.client.get_collection(name).config.metadata or {})
+
+    def update_metadata(self, values: Mapping[str, Any], physical: str | None = None) -> None:
+        """Set top-level metadata keys (others are kept)."""
+        self.client.update_collection(physical or self._require(), metadata=dict(values))
+
+    def fingerprint(self, physical: str | None = None) -> Fingerprint | None:
+        """The stored fingerprint, or None for a collection quarry did not create."""
+        data = self.metadata(physical).get(META_FINGERPRINT)
+        return Fingerprint.from_metadata(data) if data else None
+
+    def collections(self) -> list[CollectionInfo]:
+        """Every physical collection that belongs to this alias, newest first."""
+        aliases: dict[str, list[str]] = {}
+        for alias in self.client.get_aliases().aliases:
+            aliases.setdefault(alias.collection_name, []).append(alias.alias_name)
+        found: list[CollectionInfo] = []
+        for description in self.client.get_collections().collections:
+            name = description.name
+            if not name.startswith(f"{self.alias}__") and self.alias not in aliases.get(name, []):
+                continue
+            found.append(
+                CollectionInfo(
+                    name=name,
+                    aliases=tuple(aliases.get(name, [])),
+                    points=self.client.count(name, exact=True).count,
+                    metadata=self.metadata(name),
+                )
+            )
+        return sorted(found, key=lambda info: info.name.rsplit("__", 1)[-1], reverse=True)
+
+    def drop(self, physical: str) -> None:
+        """Delete a physical collection; never the one the alias points at."""
+        if physical == self.alias_target():
+            raise StoreError(self.alias, f"{physical} is what the alias serves; not deleting it")
+        self.client.delete_collection(physical)
+
+    def _require(self) -> str:
+        physical = self.resolve()
+        if physical is None:
+            raise StoreError(self.alias, "does not exist yet; run `quarry ingest PATH` first")
+        return physical
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def count(self, physical: str | None = None) -> int:
+        """Exact number of points."""
+        return self.client.count(physical or self._require(), exact=True).count
+
+    def index_state(self, source: str | None = None) -> dict[str, DocState]:
+        """Per-document state from the points themselves, optionally for one source."""
+        states: dict[str, DocState] = {}
+        query_filter = None
+        if source is not None:
+            query_filter = models.Filter(
+                must=[models.FieldCondition(key="source", match=models.MatchValue(value=source))]
+            )
+        for point in self.scroll(query_filter=query_filter, fields=_SCAN_FIELDS):
+            payload = point.payload or {}
+            doc_id = str(payload.get("doc_id"))
+            state = states.get(doc_id)
+            if state is None:
+                state = states[doc_id] = DocState(doc_id=doc_id, uri=str(payload.get("uri")))
+            state.hashes.add(str(payload.get("doc_hash")))
+            state.chunk_counts.add(int(payload.get("chunk_count", -1)))
+            state.indexes.add(int(payload.get("chunk_index", -1)))
+            state.points += 1
+        return states
+
+    def scroll(
+        self,
+        *,
+        query_filter: models.Filter | None = None,
+        fields: Sequence[str] | bool = True,
+        with_vectors: bool = False,
+        physical: str | None = None,
+        page: int = 1024,
+    ) -> Iterator[models.Record]:
+        """Every point matching ``query_filter``, page by page."""
+        name = physical or self._require()
+        offset: Any = None
+        selector: Any = list(fields) if not isinstance(fields, bool) else fields
+        while True:
+            records, offset = self.client.scroll(
+                name,
+                scroll_filter=query_filter,
+                limit=page,
+                offset=offset,
+                with_payload=selector,
+                with_vectors=with_vectors,
+            )
+            yield from records
+            if offset is None:
+                return
+
+    def search(
+        self, vector: Sequence[float], limit: int, query_filter: models.Filter | None = None
+    ) -> list[models.ScoredPoint]:
+        """Nearest points by cosine."""
+        return self.client.query_points(
+            self._require(),
+            query=list(vector),
+            limit=limit,
+            query_filter=query_filter,
+            with_payload=True,
+        ).points
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def upsert(self, points: Sequence[models.PointStruct], physical: str | None = None) -> None:
+        """Write points and wait; anything but a completed update raises WriteFailed."""
+        if not points:
+            return
+        name = physical or self._require()
+        with self._write_lock:
+            try:
+                result = self.client.upsert(name, points=list(points), wait=True)
+            except Exception as error:  # qdrant-client raises transport-specific types
+                raise WriteFailed(
+                    name, f"upsert of {len(points)} points failed: {error}"
+                ) from error
+        if result.status != models.UpdateStatus.COMPLETED:
+            raise WriteFailed(name, f"upsert of {len(points)} points ended {result.status}")
+
+    def delete_stale_chunks(self, doc_id: str, chunk_count: int) -> None:
+        """Delete a document's points from ``chunk_count`` on (left over from a longer version)."""
+        self._delete(
+            models.Filter(
+                must=[
+                    models.FieldCondition(key="doc_id", match=models.MatchValue(value=doc_id)),
+                    models.FieldCondition(key="chunk_index", range=models.Range(gte=chunk_count)),
+                ]
+            )
+        )
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        """Delete every point of the given documents."""
+        if doc_ids:
+            self._delete(
+                models.Filter(
+                    must=[
+                        models.FieldCondition(
+                            key="doc_id", match=models.MatchAny(any=list(doc_ids))
+                        )
+                    ]
+                )
+            )
+
+    def _delete(self, selector: models.Filter) -> None:
+        name = self._require()
+        with self._write_lock:
+            try:
+                result = self.client.delete(
+                    name, points_selector=models.FilterSelector(filter=selector), wait=True
+                )
+            except Exception as error:
+                raise WriteFailed(name, f"delete failed: {error}") from error
+        if result.status != models.UpdateStatus.COMPLETED:
+            raise WriteFailed(name, f"delete ended {result.status}")
+
+    def close(self) -> None:
+        """Close the client (releases local mode's folder lock)."""
+        self.client.close()

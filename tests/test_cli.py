@@ -1,0 +1,137 @@
+"""The command line as a user runs it: real processes, exit codes, --json on stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from tests.conftest import write_corpus
+
+QUARRY = [sys.executable, "-m", "quarry"]
+
+
+@pytest.fixture(scope="module")
+def tei() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefect_api(prefect_harness: None) -> str:
+    """The test harness's Prefect server, shared with the CLI subprocesses: each would
+    otherwise start (and migrate) an ephemeral server of its own."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    assert url
+    return str(url)
+
+
+def run(
+    args: list[str], env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("QUARRY_")}
+    full_env.update(env)
+    return subprocess.run(
+        QUARRY + args, capture_output=True, text=True, env=full_env, timeout=timeout, check=False
+    )
+
+
+def test_missing_path_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    result = run(["ingest", str(tmp_path / "nope")], {"QUARRY_DATA_DIR": str(tmp_path / "d")})
+    assert result.returncode == 2
+    assert "nope" in result.stderr
+
+
+def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "c", {"a.md": "text"})
+    started = time.monotonic()
+    result = run(
+        ["ingest", str(corpus)],
+        {
+            "QUARRY_DATA_DIR": str(tmp_path / "d"),
+            "QUARRY_EMBED_URL": "http://127.0.0.1:9",
+            "QUARRY_RETRY_BUDGET": "2",
+        },
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "http://127.0.0.1:9" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_chunk_json_shape(tmp_path: Path) -> None:
+    doc = write_corpus(tmp_path, {"g.md": "# Title\n\n" + "Some words here. " * 200})
+    result = run(["chunk", str(doc / "g.md"), "--max-tokens", "64", "--overlap", "8", "--json"], {})
+    assert result.returncode == 0, result.stderr
+    chunks = json.loads(result.stdout)["chunks"]
+    assert len(chunks) > 1
+    assert set(chunks[0]) == {"index", "text", "token_count", "headings", "char_start", "char_end"}
+    assert all(c["token_count"] <= 64 for c in chunks)
+    assert chunks[0]["headings"] == ["Title"]
+
+
+def test_ingest_query_status_round_trip(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_EMBED_URL": tei.url,
+        "PREFECT_API_URL": prefect_api,
+    }
+    corpus = write_corpus(
+        tmp_path / "kb",
+        {
+            "cats.md": "# Cats\n\nCats purr and sleep in the sun all day.",
+            "rockets.md": "# Rockets\n\nRockets burn fuel to reach orbit around the earth.",
+        },
+    )
+    ingested = run(["ingest", str(corpus), "--json"], env)
+    assert ingested.returncode == 0, ingested.stderr
+    summary = json.loads(ingested.stdout)
+    assert summary["documents_embedded"] == 2
+    assert "Traceback" not in ingested.stderr and "ERROR" not in ingested.stderr
+
+    answered = run(["query", "Rockets burn fuel to reach orbit", "--json", "-k", "1"], env)
+    assert answered.returncode == 0, answered.stderr
+    response = json.loads(answered.stdout)
+    assert response["results"][0]["uri"] == "kb/rockets.md"
+    assert set(response["results"][0]) >= {
+        "text",
+        "score",
+        "vector_score",
+        "rerank_score",
+        "uri",
+        "doc_id",
+        "chunk_index",
+        "headings",
+    }
+
+    shown = run(["status", "--json"], env)
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    assert status["alias"] == "quarry"
+    assert status["documents"] == 2
+    assert status["fingerprint"]["model"]["dimensions"] == 16
+
+
+def test_query_refuses_a_different_model(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    data = str(tmp_path / "d")
+    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma"})
+    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
+    assert run(["ingest", str(corpus)], env).returncode == 0
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, seed=3)) as other:
+        refused = run(["query", "alpha"], {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": other.url})
+    assert refused.returncode == 3
+    assert "quarry reindex" in refused.stderr

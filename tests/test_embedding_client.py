@@ -1,0 +1,266 @@
+"""The embedding and rerank clients against TEI's contract, faked at the transport."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx2
+import numpy as np
+import pytest
+
+from quarry._http import NO_WAIT, RetryPolicy
+from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
+from quarry.errors import DialectMismatch, RequestRejected, ServiceUnavailable
+from quarry.rerank import RerankClient
+
+URL = "http://tei.test"
+
+
+def _vector(text: str, dims: int = 8) -> list[float]:
+    rng = np.random.default_rng(abs(hash(text)) % (2**32))
+    v = rng.normal(size=dims)
+    return (v / np.linalg.norm(v)).astype(np.float32).tolist()
+
+
+@dataclass
+class FakeTEI:
+    """A scripted TEI: records every request; ``script`` can override answers."""
+
+    max_chars: int = 10_000
+    batch_limit: int = 4
+    failures: list[int] = field(default_factory=list)  # status codes to answer first
+    reject: set[str] = field(default_factory=set)  # inputs answered 400
+    requests: list[tuple[str, object]] = field(default_factory=list)
+    info_status: int = 200
+    script: Callable[[httpx2.Request], httpx2.Response | None] | None = None
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.url.path, body))
+        if self.script and (answer := self.script(request)) is not None:
+            return answer
+        if request.url.path == "/info":
+            if self.info_status != 200:
+                return httpx2.Response(self.info_status)
+            return httpx2.Response(
+                200,
+                json={
+                    "model_id": "org/test-model",
+                    "model_sha": "abc123",
+                    "model_dtype": "float16",
+                    "model_type": {"embedding": {"pooling": "mean"}},
+                    "max_input_length": 512,
+                    "max_batch_tokens": 16384,
+                    "max_client_batch_size": self.batch_limit,
+                    "max_concurrent_requests": 8,
+                    "version": "1.9.3",
+                },
+            )
+        if self.failures:
+            status = self.failures.pop(0)
+            return httpx2.Response(
+                status,
+                json={"error": "Model is overloaded", "error_type": "Overloaded"},
+                headers={"Retry-After": "0"},
+            )
+        if request.url.path == "/v1/embeddings":
+            inputs = body["input"]
+            if len(inputs) > self.batch_limit:
+                return _error(422, f"batch size {len(inputs)} > maximum allowed batch size 4")
+            for text in inputs:
+                if len(text) > self.max_chars:
+                    return _error(
+                        422, f"`inputs` must have less than {self.max_chars} tokens. Given: 9999"
+                    )
+                if text in self.reject:
+                    return _error(400, "bad input")
+            data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": base64.b64encode(
+                        np.asarray(_vector(t), dtype="<f4").tobytes()
+                    ).decode(),
+                }
+                for i, t in enumerate(inputs)
+            ]
+            return httpx2.Response(
+                200,
+                json={"object": "list", "data": data, "model": "m", "usage": {}},
+            )
+        if request.url.path == "/rerank":
+            if "texts" not in body:
+                return httpx2.Response(
+                    422,
+                    text="Failed to deserialize the JSON body into the target type: "
+                    "missing field `texts` at line 1 column 40",
+                )
+            if len(body["texts"]) > self.batch_limit:
+                return _error(422, "batch size too large")
+            ranks = [
+                {"index": i, "score": 1.0 / (1 + abs(len(t) - len(body["query"])))}
+                for i, t in enumerate(body["texts"])
+            ]
+            return httpx2.Response(200, json=sorted(ranks, key=lambda r: -r["score"]))
+        return httpx2.Response(404)
+
+    def paths(self, path: str) -> list[object]:
+        return [body for p, body in self.requests if p == path]
+
+
+def _error(status: int, message: str) -> httpx2.Response:
+    return httpx2.Response(status, json={"error": message, "error_type": "Validation"})
+
+
+def _client(fake: FakeTEI, **kwargs: object) -> EmbeddingClient:
+    options: dict[str, object] = {"retry": NO_WAIT, **kwargs}
+    return EmbeddingClient(URL, transport=httpx2.MockTransport(fake), **options)  # type: ignore[arg-type]
+
+
+def test_batches_never_exceed_max_client_batch_size() -> None:
+    fake = FakeTEI(batch_limit=4)
+    results = _client(fake).embed_passages([f"text {i}" for i in range(10)])
+    sizes = [len(body["input"]) for body in fake.paths("/v1/embeddings")]  # type: ignore[index]
+    assert sizes and max(sizes) <= 4
+    assert sum(sizes) == 10
+    assert [r[0].text for r in results] == [f"text {i}" for i in range(10)]  # type: ignore[index]
+
+
+def test_embed_batch_size_setting_only_lowers_the_limit() -> None:
+    fake = FakeTEI(batch_limit=4)
+    assert _client(fake, batch_size=2).batch_size == 2
+    assert _client(fake, batch_size=100).batch_size == 4
+
+
+def test_vectors_come_back_in_input_order_decoded_from_base64() -> None:
+    fake = FakeTEI()
+    texts = ["alpha", "beta", "gamma"]
+    results = _client(fake).embed_passages(texts)
+    for text, result in zip(texts, results, strict=True):
+        assert isinstance(result, list)
+        assert result[0].vector == pytest.approx(_vector(text), abs=1e-6)
+
+
+def test_transient_failures_are_retried_then_succeed() -> None:
+    fake = FakeTEI(failures=[429, 503, 424])
+    results = _client(fake).embed_passages(["one"])
+    assert isinstance(results[0], list)
+    assert len(fake.paths("/v1/embeddings")) == 4
+
+
+def test_retry_budget_spent_names_the_url_and_documents() -> None:
+    fake = FakeTEI(failures=[503] * 1000)
+    client = _client(fake, retry=RetryPolicy(budget=0.3, initial=0.01, maximum=0.02))
+    with pytest.raises(ServiceUnavailable) as caught:
+        client.embed_passages(["one"], documents=["docs/a.md"])
+    assert f"{URL}/v1/embeddings" in str(caught.value)
+    assert "docs/a.md" in str(caught.value)
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+def test_rejections_are_never_retried_as_they_are(status: int) -> None:
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/v1/embeddings":
+            return _error(status, "you sent something wrong")
+        return None
+
+    fake = FakeTEI(script=script)
+    results = _client(fake).embed_passages(["only one input"])
+    assert isinstance(results[0], EmbedFailure)
+    assert isinstance(results[0].error, RequestRejected)
+    assert len(fake.paths("/v1/embeddings")) == 1
+
+
+def test_over_long_input_is_split_not_truncated() -> None:
+    fake = FakeTEI(max_chars=60)
+    long_text = " ".join(f"Sentence number {i} is here." for i in range(12))
+    results = _client(fake).embed_passages([long_text, "short"])
+    parts = results[0]
+    assert isinstance(parts, list) and len(parts) > 1
+    assert "".join(part.text for part in parts) == long_text
+    assert all(len(part.text) <= 60 for part in parts)
+    assert results[1] == [EmbeddedPart("short", _vector("short"))] or isinstance(results[1], list)
+
+
+def test_one_bad_input_does_not_sink_its_batch() -> None:
+    fake = FakeTEI(reject={"poison"})
+    results = _client(fake).embed_passages(["a", "poison", "c", "d"], documents=list("wxyz"))
+    assert isinstance(results[1], EmbedFailure)
+    assert "x" in str(results[1].error)
+    assert all(isinstance(results[i], list) for i in (0, 2, 3))
+
+
+def test_query_is_formatted_by_the_profile_and_passages_are_not() -> None:
+    fake = FakeTEI()
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/info":
+            info = json.loads(FakeTEI()(request).content)
+            info["model_id"] = "Qwen/Qwen3-Embedding-0.6B"
+            return httpx2.Response(200, json=info)
+        return None
+
+    fake.script = script
+    client = _client(fake, query_task="Find it")
+    client.embed_query("where")
+    client.embed_passages(["a passage"])
+    sent = [body["input"] for body in fake.paths("/v1/embeddings")]  # type: ignore[index]
+    assert sent == [["Instruct: Find it\nQuery:where"], ["a passage"]]
+
+
+def test_connection_refused_fails_fast_naming_the_url() -> None:
+    def refuse(request: httpx2.Request) -> httpx2.Response:
+        raise httpx2.ConnectError("connection refused", request=request)
+
+    client = EmbeddingClient(
+        URL,
+        transport=httpx2.MockTransport(refuse),
+        retry=RetryPolicy(budget=0.2, initial=0.01, maximum=0.02),
+    )
+    with pytest.raises(ServiceUnavailable, match=r"tei\.test"):
+        _ = client.info
+
+
+def test_bearer_token_is_sent_to_both_routes() -> None:
+    seen: list[str | None] = []
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        seen.append(request.headers.get("authorization"))
+        return None
+
+    fake = FakeTEI(script=script)
+    _client(fake, api_key="s3cret").embed_passages(["x"])
+    assert seen and all(value == "Bearer s3cret" for value in seen)
+
+
+def test_rerank_batches_and_merges_scores_in_input_order() -> None:
+    fake = FakeTEI(batch_limit=4)
+    reranker = RerankClient(URL, transport=httpx2.MockTransport(fake), retry=NO_WAIT)
+    texts = ["x" * n for n in range(1, 11)]
+    scores = reranker.score("xxxx", texts)
+    assert len(scores) == 10
+    assert max(range(10), key=lambda i: scores[i]) == 3
+    assert all(len(body["texts"]) <= 4 for body in fake.paths("/rerank"))  # type: ignore[index]
+
+
+def test_rerank_dialect_mismatch_names_the_setting() -> None:
+    fake = FakeTEI()
+    reranker = RerankClient(
+        URL, transport=httpx2.MockTransport(fake), retry=NO_WAIT, dialect="cohere"
+    )
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/v1/rerank":
+            return httpx2.Response(
+                422,
+                text="Failed to deserialize the JSON body into the target type: "
+                "missing field `texts` at line 1 column 40",
+            )
+        return None
+
+    fake.script = script
+    with pytest.raises(DialectMismatch, match="QUARRY_RERANK_DIALECT=tei"):
+        reranker.score("q", ["a"])

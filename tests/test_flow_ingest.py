@@ -1,0 +1,68 @@
+"""The ingest flow end to end under a Prefect test harness, against a real local_tei."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from tests.conftest import write_corpus
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@pytest.fixture(scope="module")
+def tei() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16)) as server:
+        yield server
+
+
+def test_flow_ingests_then_skips_unchanged(
+    tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.ingest import ingest_flow
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    monkeypatch.setenv("QUARRY_WORKERS", "2")
+    corpus = write_corpus(
+        tmp_path / "kb",
+        {f"doc{i}.md": f"# Doc {i}\n\nParagraph about topic {i}. " * 40 for i in range(70)},
+    )
+    (corpus / "bad.pdf").write_bytes(b"%PDF-1.4 truncated")
+    first = ingest_flow(sources=[str(corpus)], collection="flowtest")
+    assert first["documents_embedded"] == 70
+    assert first["documents_failed"] == 1
+    assert first["failures"][0]["uri"] == "kb/bad.pdf"
+    assert set(first) >= {
+        "documents_seen",
+        "documents_skipped",
+        "documents_embedded",
+        "documents_deleted",
+        "documents_failed",
+        "chunks_embedded",
+        "chunks_deleted",
+        "embedding_requests",
+        "failures",
+        "collection",
+    }
+    second = ingest_flow(sources=[str(corpus)], collection="flowtest")
+    assert second["documents_skipped"] == 70
+    assert second["documents_embedded"] == 0
+    assert second["embedding_requests"] == 1  # the canary only
+
+
+def test_flow_publishes_a_markdown_artifact(
+    tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.artifacts import Artifact
+
+    from flows.ingest import ingest_flow
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    corpus = write_corpus(tmp_path / "art", {"a.md": "hello artifact world"})
+    ingest_flow(sources=[str(corpus)], collection="artifacts")
+    artifact = Artifact.get("ingest-artifacts")
+    assert artifact is not None
+    assert "| 1 | 0 | 1 | 0 | 0 |" in str(artifact.data)

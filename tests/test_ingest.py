@@ -1,0 +1,181 @@
+"""The sync algorithm against a real local_tei (hash backend) and local-mode Qdrant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from quarry.chunking import Chunker
+from quarry.sources import open_source
+
+from quarry._http import NO_WAIT
+from quarry.config import Settings
+from quarry.embeddings import EmbeddingClient
+from quarry.errors import FingerprintMismatch, MassDeleteRefused, ServingChanged
+from quarry.ingest import IndexSync, IngestReport, run_sync
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from quarry.store import VectorStore, open_client
+from tests.conftest import write_corpus
+
+CORPUS = {
+    "alpha.md": "# Alpha\n\nAlpha is the first letter. " * 20,
+    "beta.md": "# Beta\n\nBeta comes second, after alpha.\n\n## More\n\nBeta again. " * 10,
+    "notes/gamma.txt": "Gamma rays are energetic photons. " * 30,
+    "notes/delta.md": "Delta is a river mouth shaped like a triangle.",
+}
+
+
+@pytest.fixture(scope="module")
+def tei() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32)) as server:
+        yield server
+
+
+class Harness:
+    """A collection, a corpus folder and the clients, rebuilt per run like a CLI call."""
+
+    def __init__(self, tmp_path: Path, url: str) -> None:
+        self.settings = Settings(data_dir=tmp_path / "data", collection="test")
+        self.root = write_corpus(tmp_path / "corpus", CORPUS)
+        self.url = url
+
+    def run(self, url: str | None = None, **kwargs: object) -> IngestReport:
+        store = VectorStore(open_client(self.settings), "test")
+        embedder = EmbeddingClient(url or self.url, retry=NO_WAIT)
+        sync = IndexSync(
+            store,
+            embedder,
+            Chunker(64, 8),
+            max_delete_fraction=0.3,
+            allow_serving_change=bool(kwargs.pop("allow_serving_change", False)),
+        )
+        try:
+            return run_sync(sync, [open_source(self.root)], **kwargs)  # type: ignore[arg-type]
+        finally:
+            store.close()
+            embedder.close()
+
+    def points(self) -> dict[str, dict[str, object]]:
+        store = VectorStore(open_client(self.settings), "test")
+        try:
+            return {
+                str(p.id): {"payload": p.payload, "vector": p.vector}
+                for p in store.scroll(with_vectors=True)
+            }
+        finally:
+            store.close()
+
+
+@pytest.fixture
+def harness(tmp_path: Path, tei: LocalTEIServer) -> Harness:
+    return Harness(tmp_path, tei.url)
+
+
+def test_first_run_embeds_everything(harness: Harness) -> None:
+    report = harness.run()
+    assert report.documents_seen == 4
+    assert report.documents_embedded == 4
+    assert report.documents_failed == 0
+    points = harness.points()
+    assert len(points) == report.chunks_embedded
+    uris = {p["payload"]["uri"] for p in points.values()}  # type: ignore[index]
+    assert uris == {f"corpus/{name}" for name in CORPUS}
+
+
+def test_rerun_on_unchanged_files_makes_no_embedding_request(
+    harness: Harness, tei: LocalTEIServer
+) -> None:
+    harness.run()
+    before = harness.points()
+    tei.stats.reset()
+    report = harness.run()
+    assert report.documents_skipped == 4
+    assert report.documents_embedded == 0
+    embeds = sum(count for (method, path), count in tei.stats.requests.items() if "embed" in path)
+    # Only the canary of the fingerprint check; no passage is embedded again.
+    assert report.embedding_requests == 1
+    assert embeds == 1
+    assert harness.points().keys() == before.keys()
+
+
+def test_touching_a_file_re_embeds_nothing(harness: Harness) -> None:
+    harness.run()
+    path = harness.root / "alpha.md"
+    path.write_text(path.read_text())
+    assert harness.run().documents_embedded == 0
+
+
+def test_shrunk_document_loses_its_stale_chunks(harness: Harness) -> None:
+    harness.run()
+    (harness.root / "notes/gamma.txt").write_text("Gamma, now short.")
+    report = harness.run()
+    assert report.documents_embedded == 1
+    gamma = [
+        p["payload"]
+        for p in harness.points().values()
+        if p["payload"]["uri"] == "corpus/notes/gamma.txt"  # type: ignore[index]
+    ]
+    assert len(gamma) == 1
+    assert gamma[0]["text"] == "Gamma, now short."  # type: ignore[index]
+    assert gamma[0]["chunk_count"] == 1  # type: ignore[index]
+
+
+def test_deleted_file_is_removed_on_full_sync_only(harness: Harness) -> None:
+    harness.run()
+    (harness.root / "notes/delta.md").unlink()
+    kept = harness.run(full_sync=False)
+    assert kept.documents_deleted == 0
+    removed = harness.run()
+    assert removed.documents_deleted == 1
+    uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    assert "corpus/notes/delta.md" not in uris
+
+
+def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:
+    harness.run()
+    for name in ("alpha.md", "beta.md", "notes/gamma.txt"):
+        (harness.root / name).unlink()
+    before = harness.points()
+    with pytest.raises(MassDeleteRefused, match="allow-mass-delete"):
+        harness.run()
+    assert harness.points().keys() == before.keys()
+    assert harness.run(allow_mass_delete=True).documents_deleted == 3
+
+
+def test_unreadable_file_is_reported_and_the_rest_indexed(harness: Harness) -> None:
+    (harness.root / "broken.md").write_bytes(b"\x00\x01\x02binary\xff\xfe" * 50)
+    report = harness.run()
+    assert report.documents_embedded == 4
+    assert [f.uri for f in report.failures] == ["corpus/broken.md"]
+
+
+def test_another_model_is_refused_naming_both(harness: Harness) -> None:
+    harness.run()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+        with pytest.raises(FingerprintMismatch, match="quarry reindex") as caught:
+            harness.run(url=other.url)
+    assert "seed" in str(caught.value) or "hash" in str(caught.value)
+
+
+def test_engine_upgrade_is_refused_until_allowed(harness: Harness) -> None:
+    harness.run()
+    with LocalTEIServer(
+        LocalTEIConfig(backend="hash", dims=32, engine_version="1.9.9")
+    ) as upgraded:
+        with pytest.raises(ServingChanged, match="parity"):
+            harness.run(url=upgraded.url)
+        report = harness.run(url=upgraded.url, allow_serving_change=True)
+    assert report.documents_skipped == 4
+
+
+def test_point_ids_are_stable_across_a_rebuild(harness: Harness, tmp_path: Path) -> None:
+    harness.run()
+    first = harness.points()
+    other = Harness(tmp_path / "again", harness.url)
+    other.root = harness.root
+    other.run()
+    again = other.points()
+    assert first.keys() == again.keys()
+    for key, point in first.items():
+        assert point["vector"] == pytest.approx(again[key]["vector"])

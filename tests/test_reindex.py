@@ -1,0 +1,163 @@
+"""Blue/green reindex, rollback, prune and parity, with real local_tei instances:
+two seeds model a model change; another reported version models an engine change."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from quarry.sources import open_source
+
+from quarry._http import NO_WAIT
+from quarry.chunking import Chunker
+from quarry.config import Settings
+from quarry.embeddings import EmbeddingClient
+from quarry.errors import FingerprintMismatch, Refused, ServingChanged
+from quarry.ingest import IndexSync, run_sync
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from quarry.parity import accept, measure_parity
+from quarry.reindex import prune, reindex, rollback
+from quarry.search import Searcher
+from quarry.store import VectorStore, open_client
+from tests.conftest import write_corpus
+
+CORPUS = {
+    f"topic{i}.md": f"# Topic {i}\n\n" + f"Facts about subject number {i}. " * (20 + 5 * i)
+    for i in range(8)
+}
+
+
+@pytest.fixture(scope="module")
+def old_model() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=24, seed=0)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def new_model() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=5)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def upgraded_engine() -> Iterator[LocalTEIServer]:
+    config = LocalTEIConfig(backend="hash", dims=24, seed=0, engine_version="2.0.0")
+    with LocalTEIServer(config) as server:
+        yield server
+
+
+class Index:
+    def __init__(self, tmp_path: Path) -> None:
+        self.settings = Settings(data_dir=tmp_path / "data", collection="kb")
+        self.corpus = write_corpus(tmp_path / "corpus", CORPUS)
+        self.store = VectorStore(open_client(self.settings), "kb")
+        self.clients: list[EmbeddingClient] = []
+
+    def embedder(self, url: str) -> EmbeddingClient:
+        client = EmbeddingClient(url, retry=NO_WAIT)
+        self.clients.append(client)
+        return client
+
+    def sync(self, url: str, store: VectorStore | None = None) -> IndexSync:
+        return IndexSync(store or self.store, self.embedder(url), Chunker(64, 8))
+
+    def ingest(self, url: str) -> None:
+        run_sync(self.sync(url), [open_source(self.corpus)])
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.store.close()
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[Index]:
+    built = Index(tmp_path)
+    yield built
+    built.close()
+
+
+def test_reindex_switches_to_the_new_model_and_rollback_returns(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    first = index.store.alias_target()
+    old_points = index.store.count()
+    with pytest.raises(FingerprintMismatch):
+        index.ingest(new_model.url)
+
+    report = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert report.switched and report.previous == first
+    assert report.collection.startswith("kb__") and report.collection != first
+    assert index.store.alias_target() == report.collection
+    assert index.store.count() == old_points == report.points
+    assert report.verified_sample > 0 and report.min_sample_cosine >= 0.999
+    fingerprint = index.store.fingerprint()
+    assert fingerprint is not None and fingerprint.model.dimensions == 32
+
+    searcher = Searcher(index.store, index.embedder(new_model.url), None)
+    hit = searcher.search("Facts about subject number 3.", top_k=1, rerank=False).results[0]
+    assert hit.uri == "corpus/topic3.md"
+    index.ingest(new_model.url)  # the new model is accepted now
+
+    assert rollback(index.store) == (report.collection, first)
+    assert index.store.alias_target() == first
+    with pytest.raises(FingerprintMismatch):
+        index.ingest(new_model.url)
+
+
+def test_reindex_from_source_rechunks(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    report = reindex(
+        index.store,
+        lambda store: index.sync(new_model.url, store),
+        from_source=[open_source(index.corpus)],
+    )
+    assert report.documents == len(CORPUS)
+    assert report.switched
+
+
+def test_prune_keeps_the_live_collection_and_the_newest(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    reindex(index.store, lambda store: index.sync(new_model.url, store))
+    reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert len(index.store.collections()) == 3
+    live = index.store.alias_target()
+    dropped = prune(index.store, keep=1)
+    assert len(dropped) == 2
+    assert [info.name for info in index.store.collections()] == [live]
+
+
+def test_engine_change_needs_accepted_parity(
+    index: Index, old_model: LocalTEIServer, upgraded_engine: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    with pytest.raises(ServingChanged):
+        index.ingest(upgraded_engine.url)
+    report = measure_parity(
+        index.store, index.embedder(old_model.url), index.embedder(upgraded_engine.url), sample=40
+    )
+    assert report.passed
+    assert report.cosine_median == pytest.approx(1.0, abs=1e-6)
+    assert report.overlap_at_10 == pytest.approx(1.0)
+    accept(index.store, report)
+    index.ingest(upgraded_engine.url)  # allowed now
+
+
+def test_parity_refuses_another_model_and_accept_refuses_a_failure(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    with pytest.raises(FingerprintMismatch):
+        measure_parity(index.store, index.embedder(old_model.url), index.embedder(new_model.url))
+    report = measure_parity(
+        index.store, index.embedder(old_model.url), index.embedder(old_model.url), sample=10
+    )
+    report.passed = False
+    with pytest.raises(Refused):
+        accept(index.store, report)
