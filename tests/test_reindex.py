@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from quarry.sources import open_source
 
 from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
@@ -19,6 +18,7 @@ from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.parity import accept, measure_parity
 from quarry.reindex import prune, reindex, rollback
 from quarry.search import Searcher
+from quarry.sources import open_source
 from quarry.store import VectorStore, open_client
 from tests.conftest import write_corpus
 
