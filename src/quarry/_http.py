@@ -145,7 +145,7 @@ def raise_for_status(
         )
     if status == 422 and "must have less than" in message:
         raise InputTooLong(url, f"HTTP 422: {message}", status=status, documents=documents)
-    if status == 422 and "missing field" in message and dialect_hint:
+    if dialect_hint and (status in (404, 405) or (status == 422 and "missing field" in message)):
         raise DialectMismatch(
             url, f"HTTP 422: {message}. {dialect_hint}", status=status, documents=documents
         )

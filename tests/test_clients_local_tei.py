@@ -1,0 +1,139 @@
+"""The clients against a real local_tei with TEI's small limits and injected faults:
+batch 4, max_input_length 32, max_concurrent_requests 4, fault rate 0.3."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quarry._http import RetryPolicy
+from quarry.chunking import Chunker
+from quarry.config import Settings
+from quarry.embeddings import EmbeddingClient, EmbedFailure
+from quarry.errors import DialectMismatch
+from quarry.ingest import IndexSync, run_sync
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from quarry.rerank import RerankClient
+from quarry.sources import open_source
+from quarry.store import VectorStore, open_client
+from tests.conftest import write_corpus
+
+FAST_RETRY = RetryPolicy(budget=20.0, initial=0.0, maximum=0.0, jitter=0.0)
+LIMITS: dict[str, Any] = {
+    "backend": "hash",
+    "dims": 16,
+    "max_client_batch_size": 4,
+    "max_input_length": 32,
+    "max_batch_tokens": 64,
+    "max_concurrent_requests": 4,
+}
+CORPUS = {
+    f"doc{i}.md": f"# Heading {i}\n\n"
+    + " ".join(f"Word{j} of paragraph {i}." for j in range(8 + 3 * i))
+    + "\n\nA second, short paragraph."
+    for i in range(10)
+}
+
+
+@pytest.fixture(scope="module")
+def clean() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(**LIMITS)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def faulty() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(**LIMITS, fault_rate=0.3)) as server:
+        yield server
+
+
+def ingest(tmp_path: Path, url: str, corpus: Path, chunk_tokens: int = 64) -> dict[str, Any]:
+    settings = Settings(data_dir=tmp_path, collection="limits")
+    store = VectorStore(open_client(settings), "limits")
+    embedder = EmbeddingClient(url, retry=FAST_RETRY, concurrency=4)
+    try:
+        report = run_sync(
+            IndexSync(store, embedder, Chunker(chunk_tokens, 8)), [open_source(corpus)]
+        )
+        assert report.documents_failed == 0, report.failures
+        return {
+            str(p.id): (
+                {
+                    k: v
+                    for k, v in (p.payload or {}).items()
+                    if k not in ("ingested_at", "metadata")
+                },
+                [round(x, 6) for x in p.vector],  # type: ignore[union-attr]
+            )
+            for p in store.scroll(with_vectors=True)
+        }
+    finally:
+        store.close()
+        embedder.close()
+
+
+def test_faults_change_nothing_in_the_index(
+    tmp_path: Path, clean: LocalTEIServer, faulty: LocalTEIServer
+) -> None:
+    corpus = write_corpus(tmp_path / "corpus", CORPUS)
+    expected = ingest(tmp_path / "clean", clean.url, corpus)
+    faulty.stats.reset()
+    got = ingest(tmp_path / "faulty", faulty.url, corpus)
+    assert got == expected
+    statuses = faulty.stats.responses
+    assert statuses.get(429, 0) + statuses.get(503, 0) > 0  # faults really happened
+
+
+def test_over_long_chunk_becomes_points_that_hold_all_of_it(
+    tmp_path: Path, clean: LocalTEIServer
+) -> None:
+    text = " ".join(f"token{i}" for i in range(40))  # one chunk for tiktoken, 40+ for the model
+    corpus = write_corpus(tmp_path / "corpus", {"long.txt": text})
+    points = sorted(
+        ingest(tmp_path / "data", clean.url, corpus, chunk_tokens=128).values(),
+        key=lambda p: p[0]["chunk_index"],
+    )
+    assert len(points) > 1
+    assert "".join(p[0]["text"] for p in points) == text
+    assert [p[0]["chunk_index"] for p in points] == list(range(len(points)))
+    assert {p[0]["chunk_count"] for p in points} == {len(points)}
+
+
+def test_one_over_long_input_does_not_fail_the_others(clean: LocalTEIServer) -> None:
+    long_text = " ".join(f"w{i}" for i in range(80))
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        results = client.embed_passages(["short one", long_text, "short two", "short three"])
+    assert all(isinstance(result, list) for result in results)
+    assert isinstance(results[0], list) and len(results[0]) == 1
+    long_parts = results[1]
+    assert isinstance(long_parts, list) and len(long_parts) > 1
+    assert "".join(part.text for part in long_parts) == long_text
+
+
+def test_a_rejected_input_is_sent_once(clean: LocalTEIServer) -> None:
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        _ = client.info
+        clean.stats.reset()
+        results = client.embed_passages([""])
+    assert isinstance(results[0], EmbedFailure)
+    assert clean.stats.requests.get(("POST", "/v1/embeddings")) == 1
+
+
+@pytest.mark.parametrize(
+    ("server_dialect", "client_dialect"), [("cohere", "tei"), ("tei", "cohere")]
+)
+def test_rerank_dialect_mismatch_names_the_fix(server_dialect: str, client_dialect: str) -> None:
+    config = LocalTEIConfig(backend="hash", dims=16, rerank_dialect=server_dialect)  # type: ignore[arg-type]
+    with (
+        LocalTEIServer(config) as server,
+        RerankClient(
+            server.url,
+            retry=FAST_RETRY,
+            dialect=client_dialect,  # type: ignore[arg-type]
+        ) as reranker,
+    ):
+        with pytest.raises(DialectMismatch, match=f"QUARRY_RERANK_DIALECT={server_dialect}"):
+            reranker.score("query", ["a passage"])
