@@ -14,7 +14,8 @@ def configure_prefect_environment(data_dir: Path) -> None:
     """
     if os.environ.get("PREFECT_API_URL"):
         return
-    os.environ.setdefault("PREFECT_HOME", str((data_dir / "prefect").resolve()))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str((data_dir / "prefect").resolve())))
+    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.

@@ -7,6 +7,7 @@ A second run embeds nothing: unchanged files are skipped.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,27 +34,31 @@ def main() -> int:
     from flows.ingest import ingest_flow
     from quarry.cli import print_response
     from quarry.search import Searcher
-    from quarry.services import open_services
+    from quarry.services import open_services, start_local_tei_if_needed
 
-    print(f"== Indexing {docs} into collection {settings.collection!r}", flush=True)
-    summary = ingest_flow(sources=[str(docs)], collection=settings.collection)
-    print(
-        f"   {summary['documents_seen']} documents: {summary['documents_embedded']} embedded "
-        f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} embedding "
-        f"requests), {summary['documents_skipped']} unchanged and skipped, "
-        f"{summary['documents_failed']} failed",
-        flush=True,
-    )
-    with open_services(settings) as services:
-        searcher = Searcher(
-            services.store,
-            services.embedder,
-            services.reranker,
-            threshold=settings.rerank_threshold,
+    # One embedding service for both halves: the model loads once.
+    with start_local_tei_if_needed(settings) as embed_url:
+        os.environ["QUARRY_EMBED_URL"] = embed_url
+        settings = get_settings(embed_url=embed_url)
+        print(f"== Indexing {docs} into collection {settings.collection!r}", flush=True)
+        summary = ingest_flow(sources=[str(docs)], collection=settings.collection)
+        print(
+            f"   {summary['documents_seen']} documents: {summary['documents_embedded']} embedded "
+            f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} embedding "
+            f"requests), {summary['documents_skipped']} unchanged and skipped, "
+            f"{summary['documents_failed']} failed",
+            flush=True,
         )
-        for question in QUESTIONS:
-            print(f"\n== {question}", flush=True)
-            print_response(searcher.search(question, top_k=3))
+        with open_services(settings) as services:
+            searcher = Searcher(
+                services.store,
+                services.embedder,
+                services.reranker,
+                threshold=settings.rerank_threshold,
+            )
+            for question in QUESTIONS:
+                print(f"\n== {question}", flush=True)
+                print_response(searcher.search(question, top_k=3))
     return 0
 
 

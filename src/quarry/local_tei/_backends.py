@@ -321,6 +321,9 @@ def _load_minilm() -> tuple[Any, Any]:
         if cached is not None:
             return cached
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # A service's log is no place for a weight-loading progress bar.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         from sentence_transformers import SentenceTransformer
         from tokenizers import Tokenizer
 
