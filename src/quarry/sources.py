@@ -1,0 +1,819 @@
+"""Discover and load the files of a source: markdown, text, rst, HTML, PDF, and code on request.
+
+A *source* is a directory (or one file) with include and exclude globs. Files
+are found in a sorted, deterministic order; a symlink is followed only while
+it stays inside the source root. Each file becomes one :class:`Document`
+(a PDF: one per page), or a :class:`LoadFailure` that names the file and says
+why: binary, over ``QUARRY_MAX_FILE_BYTES``, undecodable (with the encodings
+tried), broken (a truncated PDF), or a symlink out of the root. A bad file
+never stops a run.
+
+Text is normalised for hashing and chunking: ``\\r\\n`` and lone ``\\r``
+become ``\\n`` and a leading byte order mark is dropped; nothing else is
+changed, so offsets into the text stay meaningful. HTML is reduced to its
+title and main text (scripts, styles and navigation dropped) and written as
+light markdown: ``#`` headings, ``-`` list items and fenced ``pre`` blocks, so
+the chunker sees its structure.
+
+Empty files (and files that are only whitespace) give no document and no
+failure: there is nothing to index and nothing is wrong, and a file that
+became empty should leave the index like a deleted one. A PDF that has pages
+but no extractable text *is* reported (it is probably scanned: its content is
+missing from the index).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from quarry.documents import Document
+from quarry.errors import SourceNotFound, UnreadableDocument
+
+DEFAULT_INCLUDE: tuple[str, ...] = (
+    "**/*.md",
+    "**/*.markdown",
+    "**/*.txt",
+    "**/*.rst",
+    "**/*.html",
+    "**/*.htm",
+    "**/*.pdf",
+)
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    ".git/**",
+    "**/.git/**",
+    "**/node_modules/**",
+    ".venv/**",
+    "**/__pycache__/**",
+    ".quarry/**",
+)
+DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
+
+# Content types by extension. A fixed table, not the mimetypes module: the
+# content type is indexed metadata, so it must not depend on the machine.
+_CONTENT_TYPES: dict[str, str] = {
+    ".md": "text/markdown",
+    ".markdown": "text/markdown",
+    ".txt": "text/plain",
+    ".text": "text/plain",
+    ".rst": "text/x-rst",
+    ".html": "text/html",
+    ".htm": "text/html",
+    ".xhtml": "text/html",
+    ".pdf": "application/pdf",
+    ".py": "text/x-python",
+    ".pyi": "text/x-python",
+    ".js": "text/javascript",
+    ".mjs": "text/javascript",
+    ".ts": "text/x-typescript",
+    ".tsx": "text/x-typescript",
+    ".jsx": "text/javascript",
+    ".java": "text/x-java",
+    ".kt": "text/x-kotlin",
+    ".go": "text/x-go",
+    ".rs": "text/x-rust",
+    ".c": "text/x-c",
+    ".h": "text/x-c",
+    ".cc": "text/x-c++",
+    ".cpp": "text/x-c++",
+    ".hpp": "text/x-c++",
+    ".cs": "text/x-csharp",
+    ".rb": "text/x-ruby",
+    ".php": "text/x-php",
+    ".swift": "text/x-swift",
+    ".scala": "text/x-scala",
+    ".sh": "text/x-shellscript",
+    ".bash": "text/x-shellscript",
+    ".sql": "text/x-sql",
+    ".css": "text/css",
+    ".json": "application/json",
+    ".yaml": "text/x-yaml",
+    ".yml": "text/x-yaml",
+    ".toml": "text/x-toml",
+    ".ini": "text/plain",
+    ".cfg": "text/plain",
+    ".xml": "text/xml",
+    ".csv": "text/csv",
+}
+_TEXT_FALLBACK = "text/plain"
+
+_BINARY_SNIFF_BYTES = 8192
+_PREFERRED = "cp1252"
+_CHAOS_MARGIN = 0.05
+_BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
+
+
+# ---------------------------------------------------------------------------
+# Sources and globs
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """Translate a glob to a regex over posix relative paths.
+
+    ``**`` spans directories (``**/`` also matches no directory at all), ``*``
+    and ``?`` stay inside one path segment, ``[...]`` is a character class.
+    Matching ignores case, so ``*.pdf`` also finds ``REPORT.PDF``.
+    """
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            j = pattern.find("]", i + 2 if pattern.startswith("[!", i) else i + 1)
+            if j < 0:
+                out.append(re.escape(c))
+                i += 1
+            else:
+                body = pattern[i + 1 : j]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append("[" + body.replace("\\", "\\\\") + "]")
+                i = j + 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out), re.IGNORECASE | re.DOTALL)
+
+
+def _escape_glob(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A source: a root directory, the globs that pick files under it, and its name.
+
+    ``root`` is resolved (made absolute, symlinks resolved) on creation;
+    ``name`` defaults to the root directory's name and prefixes every uri.
+    """
+
+    root: Path
+    include: tuple[str, ...] = DEFAULT_INCLUDE
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    name: str = ""
+    _include_re: tuple[re.Pattern[str], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
+    _exclude_re: tuple[re.Pattern[str], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
+
+    def __post_init__(self) -> None:
+        root = Path(self.root).resolve()
+        object.__setattr__(self, "root", root)
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if not self.name:
+            object.__setattr__(self, "name", root.name or "root")
+        object.__setattr__(self, "_include_re", tuple(_glob_regex(g) for g in self.include))
+        object.__setattr__(self, "_exclude_re", tuple(_glob_regex(g) for g in self.exclude))
+
+    @property
+    def uri_prefix(self) -> str:
+        """What every uri of this source starts with: ``"<name>/"``."""
+        return f"{self.name}/"
+
+    def includes(self, rel: str) -> bool:
+        """Whether a file at posix path ``rel`` (relative to the root) is part of the source."""
+        return any(p.fullmatch(rel) for p in self._include_re) and not self.excludes(rel)
+
+    def excludes(self, rel: str) -> bool:
+        """Whether ``rel`` (a file, or a directory given with a trailing ``/``) is excluded."""
+        if any(p.fullmatch(rel) for p in self._exclude_re):
+            return True
+        if rel.endswith("/"):
+            bare = rel[:-1]
+            return any(p.fullmatch(bare) for p in self._exclude_re)
+        return False
+
+
+def open_source(
+    path: str | Path,
+    include: tuple[str, ...] = DEFAULT_INCLUDE,
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+) -> SourceSpec:
+    """A source for a directory, or for one file (root = its directory, include = that file).
+
+    Raises :class:`SourceNotFound` naming the path if it does not exist.
+    """
+    given = Path(path)
+    if not given.exists():
+        raise SourceNotFound(str(path), "no such file or directory")
+    if given.is_dir():
+        return SourceSpec(given, tuple(include), tuple(exclude))
+    resolved = given.resolve()
+    return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), ())
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A file that could not be indexed, and why (goes into the ingest summary's ``failures``)."""
+
+    uri: str
+    error: str
+
+
+def _relative(path: Path, spec: SourceSpec) -> str:
+    candidate = path if path.is_absolute() else Path.cwd() / path
+    try:
+        return candidate.relative_to(spec.root).as_posix()
+    except ValueError:
+        pass
+    # The caller may have passed a path through a symlinked parent: resolve the parent only.
+    try:
+        return (candidate.parent.resolve() / candidate.name).relative_to(spec.root).as_posix()
+    except ValueError:
+        raise ValueError(f"{path} is not under the source root {spec.root}") from None
+
+
+def uri_for(path: Path, spec: SourceSpec) -> str:
+    """The uri of a file: ``"<source name>/<posix path relative to the root>"``."""
+    return f"{spec.name}/{_relative(Path(path), spec)}"
+
+
+def _inside(target: Path, root: Path) -> bool:
+    return target == root or target.is_relative_to(root)
+
+
+def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
+    """Every candidate file, sorted by relative path, with a reason when it must be skipped."""
+    root = spec.root
+    # Patterns without "/" or "**" only match files directly under the root.
+    descend = any("/" in g or "**" in g for g in spec.include)
+    found: list[tuple[str, Path, str | None]] = []
+    visited: set[Path] = {root}
+    stack: list[tuple[Path, str]] = [(root, "")]
+    while stack:
+        folder, prefix = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError as exc:
+            found.append((prefix, folder, f"cannot list directory: {exc.strerror or exc}"))
+            continue
+        for entry in entries:
+            rel = prefix + entry.name
+            path = Path(entry.path)
+            try:
+                is_link = entry.is_symlink()
+                if is_link:
+                    target = path.resolve()
+                    if not target.exists():
+                        if spec.includes(rel):
+                            found.append((rel, path, "broken symlink"))
+                        continue
+                    if not _inside(target, root):
+                        is_dir = target.is_dir()
+                        if (is_dir and not spec.excludes(rel + "/")) or (
+                            not is_dir and spec.includes(rel)
+                        ):
+                            found.append(
+                                (rel, path, "symlink points outside the source root; not followed")
+                            )
+                        continue
+                    if target.is_dir():
+                        if not descend or target in visited or spec.excludes(rel + "/"):
+                            continue
+                        visited.add(target)
+                        stack.append((path, rel + "/"))
+                        continue
+                elif entry.is_dir(follow_symlinks=False):
+                    if not descend or spec.excludes(rel + "/"):
+                        continue
+                    real = path.resolve()
+                    if real in visited:
+                        continue
+                    visited.add(real)
+                    stack.append((path, rel + "/"))
+                    continue
+                elif not entry.is_file(follow_symlinks=False):
+                    continue  # sockets, fifos, devices
+            except OSError as exc:
+                found.append((rel, path, f"cannot read: {exc.strerror or exc}"))
+                continue
+            if spec.includes(rel):
+                found.append((rel, path, None))
+    found.sort(key=lambda item: item[0])
+    for _, path, problem in found:
+        yield path, problem
+
+
+def discover(spec: SourceSpec) -> Iterator[Path]:
+    """The files of a source, sorted by relative path.
+
+    Never follows a symlink out of the root (such links are left out; they are
+    reported by :func:`iter_documents`) and never descends an excluded directory.
+    """
+    for path, problem in _walk(spec):
+        if problem is None:
+            yield path
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def _fail(uri: str, message: str) -> UnreadableDocument:
+    return UnreadableDocument(uri, message)
+
+
+def _content_type(path: Path) -> str:
+    return _CONTENT_TYPES.get(path.suffix.lower(), _TEXT_FALLBACK)
+
+
+def normalise_text(text: str) -> str:
+    """Text as quarry hashes and chunks it: ``\\n`` newlines, no leading byte order mark."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def decode_text(data: bytes, uri: str) -> tuple[str, str]:
+    """Decode file bytes: utf-8, utf-8-sig, then a detected encoding. Returns (text, encoding).
+
+    Raises :class:`UnreadableDocument` for binary data (NUL bytes without a
+    UTF-16/32 byte order mark) or when nothing decodes it, naming what was tried.
+    """
+    wide_bom = data.startswith(_BOMS_WIDE)
+    if not wide_bom and b"\x00" in data[:_BINARY_SNIFF_BYTES]:
+        raise _fail(uri, "binary file (NUL bytes), skipped")
+    if not wide_bom:
+        for encoding in ("utf-8", "utf-8-sig"):
+            if encoding == "utf-8-sig" and not data.startswith(b"\xef\xbb\xbf"):
+                continue
+            try:
+                return data.decode(encoding), encoding
+            except UnicodeDecodeError:
+                continue
+    from charset_normalizer import from_bytes
+
+    results = from_bytes(data)
+    best = results.best()
+    if best is None or best.encoding is None:
+        tried = "utf-8, utf-8-sig" if not wide_bom else "byte order mark"
+        raise _fail(
+            uri, f"cannot decode text: tried {tried} and encoding detection (nothing plausible)"
+        )
+    encoding = best.encoding
+    # Detection is unsure on short Western text (Baltic and Central European code
+    # pages score alike): prefer cp1252, the common legacy encoding, when it is as plausible.
+    for match in results:
+        if match.chaos <= best.chaos + _CHAOS_MARGIN and _PREFERRED in match.could_be_from_charset:
+            encoding = _PREFERRED
+            break
+    try:
+        return data.decode(encoding), encoding
+    except (UnicodeDecodeError, LookupError) as exc:
+        raise _fail(
+            uri, f"cannot decode text: tried utf-8, utf-8-sig and detected {encoding}: {exc}"
+        ) from None
+
+
+_MD_ATX = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
+_UNDERLINE = re.compile(r"^([=\-`:'\"~^_*+#<>.])\1{2,}[ \t]*$")
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def _markup_title(text: str, rst: bool) -> str:
+    """The first top-level heading of markdown or rst text ('' if none)."""
+    best: tuple[int, str] | None = None
+    fence: str | None = None
+    lines = text.split("\n", 2000)[:2000]
+    styles: list[str] = []
+    for i, line in enumerate(lines):
+        if not rst:
+            f = _FENCE.match(line)
+            if f:
+                if fence is None:
+                    fence = f.group(1)[0] * 3
+                elif line.strip().startswith(fence):
+                    fence = None
+                continue
+            if fence is not None:
+                continue
+            m = _MD_ATX.match(line)
+            if m:
+                level, title = len(m.group(1)), m.group(2).strip()
+                if level == 1:
+                    return title
+                if best is None or level < best[0]:
+                    best = (level, title)
+                continue
+        u = _UNDERLINE.match(line)
+        if u and i > 0 and lines[i - 1].strip() and not _UNDERLINE.match(lines[i - 1]):
+            title = lines[i - 1].strip()
+            if rst:
+                over = i > 1 and lines[i - 2].strip() == line.strip()
+                style = u.group(1) + ("o" if over else "")
+                if style not in styles:
+                    styles.append(style)
+                level = styles.index(style) + 1
+            elif u.group(1) in "=-":
+                level = 1 if u.group(1) == "=" else 2
+            else:
+                continue
+            if level == 1:
+                return title
+            if best is None or level < best[0]:
+                best = (level, title)
+    return best[1] if best else ""
+
+
+def _mtime_iso(stat: os.stat_result) -> str:
+    return datetime.fromtimestamp(stat.st_mtime, tz=UTC).isoformat()
+
+
+def load_document(
+    path: Path, spec: SourceSpec, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> list[Document]:
+    """Load one file as documents: one per file, one per page for a PDF (uri ``...#page=N``).
+
+    Metadata: ``uri``, ``title``, ``content_type`` (and ``page``,
+    ``page_count`` for PDF pages; ``encoding`` when it was not UTF-8) are
+    indexed; ``mtime`` (ISO 8601, UTC) and ``size`` (bytes) are volatile, so
+    touching a file does not change ``doc_hash``. An empty or all-whitespace
+    file gives ``[]`` (nothing to index, nothing wrong). Raises
+    :class:`UnreadableDocument` naming the uri and why for a binary, too large,
+    undecodable or broken file, or a symlink that leaves the source root.
+    """
+    path = Path(path)
+    uri = uri_for(path, spec)
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise _fail(uri, f"cannot open: {getattr(exc, 'strerror', None) or exc}") from None
+    if not _inside(real, spec.root):
+        raise _fail(uri, "symlink points outside the source root; not followed")
+    if real.is_dir():
+        raise _fail(uri, "is a directory")
+    try:
+        stat = real.stat()
+        if stat.st_size > max_file_bytes:
+            raise _fail(
+                uri,
+                f"file is {stat.st_size} bytes, over the {max_file_bytes}-byte limit "
+                "(QUARRY_MAX_FILE_BYTES); skipped",
+            )
+        with real.open("rb") as handle:
+            data = handle.read(max_file_bytes + 1)
+    except OSError as exc:
+        raise _fail(uri, f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > max_file_bytes:
+        raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
+    volatile: dict[str, Any] = {"mtime": _mtime_iso(stat), "size": len(data)}
+    if not data.strip():
+        return []  # empty: nothing to index, nothing wrong (see the module docstring)
+    content_type = _content_type(path)
+    if content_type == "application/pdf":
+        return _load_pdf(data, uri, path, volatile)
+    raw, encoding = decode_text(data, uri)
+    extra: dict[str, Any] = {} if encoding in ("utf-8", "utf-8-sig") else {"encoding": encoding}
+    if content_type == "text/html":
+        try:
+            title, text = html_to_text(raw)
+        except Exception as exc:  # a parser failure is this file's problem, not the run's
+            raise _fail(uri, f"cannot parse HTML: {exc}") from None
+        text = normalise_text(text)
+    else:
+        text = normalise_text(raw)
+        if content_type == "text/markdown":
+            title = _markup_title(text, rst=False)
+        elif content_type == "text/x-rst":
+            title = _markup_title(text, rst=True)
+        else:
+            title = ""
+    if not text.strip():
+        return []
+    title = title or path.stem
+    metadata = {"uri": uri, "title": title, "content_type": content_type, **extra}
+    return [Document.create(uri, text, title, metadata=metadata, volatile=volatile)]
+
+
+def _load_pdf(data: bytes, uri: str, path: Path, volatile: dict[str, Any]) -> list[Document]:
+    from pypdf import PdfReader
+
+    if b"%%EOF" not in data[-65536:]:
+        raise _fail(uri, "broken PDF (truncated: no %%EOF marker)")
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise _fail(uri, "encrypted PDF, skipped")
+        meta_title = ""
+        try:
+            info = reader.metadata
+            if info is not None and info.title:
+                meta_title = str(info.title).strip()
+        except Exception:
+            meta_title = ""
+        pages = [normalise_text(page.extract_text() or "") for page in reader.pages]
+    except UnreadableDocument:
+        raise
+    except Exception as exc:
+        kind = type(exc).__name__
+        raise _fail(uri, f"broken PDF ({kind}: {exc})") from None
+    if not pages:
+        raise _fail(uri, "PDF has no pages")
+    if not any(page.strip() for page in pages):
+        raise _fail(uri, f"PDF has {len(pages)} page(s) but no extractable text (scanned?)")
+    title = meta_title or path.stem
+    documents = []
+    for number, text in enumerate(pages, start=1):
+        if not text.strip():
+            continue
+        page_uri = f"{uri}#page={number}"
+        metadata = {
+            "uri": page_uri,
+            "title": title,
+            "content_type": "application/pdf",
+            "page": number,
+            "page_count": len(pages),
+        }
+        documents.append(Document.create(page_uri, text, title, metadata, volatile))
+    return documents
+
+
+def iter_documents(
+    spec: SourceSpec, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+) -> Iterator[Document | LoadFailure]:
+    """Every document of a source in discovery order, and a :class:`LoadFailure` per bad file.
+
+    Never raises for a single file: binary, too large, undecodable, broken
+    files and symlinks out of the root are reported and the walk goes on.
+    """
+    for path, problem in _walk(spec):
+        try:
+            uri = uri_for(path, spec)
+        except ValueError:  # pragma: no cover - _walk only yields paths under the root
+            uri = f"{spec.name}/{path.name}"
+        if problem is not None:
+            yield LoadFailure(uri, problem)
+            continue
+        try:
+            yield from load_document(path, spec, max_file_bytes=max_file_bytes)
+        except UnreadableDocument as exc:
+            yield LoadFailure(exc.uri, _message(exc))
+        except Exception as exc:  # a bad file must never stop the run
+            yield LoadFailure(uri, f"{type(exc).__name__}: {exc}")
+
+
+def _message(exc: UnreadableDocument) -> str:
+    text = str(exc)
+    prefix = f"{exc.uri}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def load_path(path: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[Document]:
+    """Load one file whatever its name (source code as text too), for ``quarry chunk FILE``.
+
+    Raises :class:`SourceNotFound` if it does not exist and
+    :class:`UnreadableDocument` if it is a directory or cannot be read as text.
+    """
+    given = Path(path)
+    if not given.exists():
+        raise SourceNotFound(str(path), "no such file or directory")
+    if given.is_dir():
+        raise UnreadableDocument(str(path), "is a directory, not a file")
+    spec = open_source(given)
+    return load_document(given.resolve(), spec, max_file_bytes=max_file_bytes)
+
+
+# ---------------------------------------------------------------------------
+# HTML
+
+_DROP_TAGS = frozenset(
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "nav",
+        "iframe",
+        "svg",
+        "canvas",
+        "button",
+        "select",
+        "input",
+        "textarea",
+        "head",
+        "object",
+        "embed",
+        "audio",
+        "video",
+        "map",
+    }
+)
+_DROP_ROLES = frozenset({"navigation", "search", "banner", "contentinfo", "menu", "menubar"})
+_DROP_CLASSES = frozenset(
+    {"headerlink", "sphinxsidebar", "related", "breadcrumb", "breadcrumbs", "skip-link", "toc"}
+)
+_BLOCK_TAGS = frozenset(
+    {
+        "address",
+        "article",
+        "aside",
+        "blockquote",
+        "body",
+        "caption",
+        "dd",
+        "details",
+        "dialog",
+        "div",
+        "dl",
+        "dt",
+        "fieldset",
+        "figcaption",
+        "figure",
+        "footer",
+        "header",
+        "hgroup",
+        "hr",
+        "html",
+        "legend",
+        "li",
+        "main",
+        "ol",
+        "p",
+        "section",
+        "summary",
+        "table",
+        "tbody",
+        "tfoot",
+        "thead",
+        "tr",
+        "ul",
+    }
+)
+_HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
+_SPACE_RUN = re.compile(r"\s+")
+_BREAK = "\x00"  # stands for <br> until whitespace is collapsed (HTML text holds no NUL)
+
+
+class _HtmlText:
+    """Collects the text of an HTML tree as markdown-ish blocks."""
+
+    def __init__(self) -> None:
+        self.blocks: list[str] = []
+        self.inline: list[str] = []
+        self.prefix = ""
+
+    def flush(self) -> None:
+        text = _SPACE_RUN.sub(" ", "".join(self.inline))
+        if _BREAK in text:
+            text = re.sub(f" ?{_BREAK} ?", "\n", text)
+        text = text.strip()
+        self.inline.clear()
+        if text:
+            self.blocks.append(self.prefix + text)
+            self.prefix = ""
+
+    def text(self) -> str:
+        self.flush()
+        return "\n\n".join(self.blocks) + ("\n" if self.blocks else "")
+
+
+def _dropped(node: Any) -> bool:
+    tag = node.tag
+    if tag in _DROP_TAGS:
+        return True
+    attrs = node.attributes
+    if not attrs:
+        return False
+    role = attrs.get("role")
+    if role and role.lower() in _DROP_ROLES:
+        return True
+    if attrs.get("aria-hidden") == "true" or "hidden" in attrs:
+        return True
+    classes = attrs.get("class")
+    return bool(classes) and not _DROP_CLASSES.isdisjoint(classes.split())
+
+
+def _pre_text(node: Any) -> str:
+    return str(node.text(deep=True, separator="", strip=False))
+
+
+def _render(root: Any, out: _HtmlText) -> None:
+    """Walk the tree (iteratively: deep pages cannot hit the recursion limit) into ``out``."""
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    lists: list[list[int]] = []  # per open list: [is_ordered, next number]
+    rows: list[int] = []  # cells seen so far in each open table row
+    cells = 0  # depth of open table cells: their blocks run inline
+    while stack:
+        node, closing = stack.pop()
+        tag = node.tag
+        if closing:
+            if tag in ("td", "th"):
+                cells -= 1
+            elif tag == "tr":
+                if rows:
+                    rows.pop()
+                if not cells:
+                    out.flush()
+            elif cells:
+                out.inline.append(" ")
+            elif tag in _HEADINGS or tag in _BLOCK_TAGS:
+                out.flush()
+                if tag in ("ul", "ol") and lists:
+                    lists.pop()
+            continue
+        if tag == "-text":
+            out.inline.append(node.text(deep=False) or "")
+            continue
+        if tag.startswith(("-", "!")) or _dropped(node):
+            continue
+        if tag == "br":
+            out.inline.append(_BREAK)
+            continue
+        if tag == "pre" and not cells:
+            out.flush()
+            body = _pre_text(node).strip("\n")
+            if body.strip():
+                longest = max((len(m) for m in re.findall(r"`{3,}", body)), default=2)
+                fence = "`" * max(3, longest + 1)
+                out.blocks.append(f"{fence}\n{body}\n{fence}")
+            continue
+        if tag in ("td", "th"):
+            if rows:
+                if rows[-1]:
+                    out.inline.append(" | ")
+                rows[-1] += 1
+            cells += 1
+        elif tag == "tr":
+            if not cells:
+                out.flush()
+            rows.append(0)
+        elif cells:
+            out.inline.append(" ")
+        elif tag in _HEADINGS:
+            out.flush()
+            out.prefix = "#" * _HEADINGS[tag] + " "
+        elif tag in _BLOCK_TAGS:
+            out.flush()
+            if tag in ("ul", "ol"):
+                lists.append([1 if tag == "ol" else 0, 1])
+            elif tag == "li":
+                if lists and lists[-1][0]:
+                    out.prefix = f"{lists[-1][1]}. "
+                    lists[-1][1] += 1
+                else:
+                    out.prefix = "- "
+        stack.append((node, True))
+        children = []
+        child = node.child
+        while child is not None:
+            children.append(child)
+            child = child.next
+        stack.extend((child, False) for child in reversed(children))
+
+
+def html_to_text(html: str) -> tuple[str, str]:
+    """The title and main text of an HTML page, as markdown-ish text.
+
+    Uses selectolax (lexbor). The main text is ``<main>``, ``[role=main]`` or
+    ``<article>`` when the page has one, else ``<body>``. Scripts, styles,
+    navigation (``<nav>``, navigation roles, Sphinx sidebars and header
+    links) are dropped. Headings become ``#`` lines, list items ``-`` lines,
+    ``pre`` blocks fenced code.
+    """
+    from selectolax.lexbor import LexborHTMLParser
+
+    tree = LexborHTMLParser(html)
+    title = ""
+    title_node = tree.css_first("title")
+    if title_node is not None:
+        title = _SPACE_RUN.sub(" ", title_node.text(deep=True) or "").strip()
+    main = None
+    for selector in ("main", "[role=main]", "article"):
+        main = tree.css_first(selector)
+        if main is not None:
+            break
+    if main is None:
+        main = tree.body
+    if main is None:
+        return title, ""
+    out = _HtmlText()
+    _render(main, out)
+    text = out.text()
+    if not title:
+        h1 = main.css_first("h1")
+        if h1 is not None:
+            title = _SPACE_RUN.sub(" ", h1.text(deep=True) or "").replace("¶", "").strip()
+    return title, text

@@ -1,0 +1,372 @@
+"""Chunker: properties over any text, structure handling, the encoding, split_in_two."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quarry.chunking import (
+    CHUNKER_VERSION,
+    Chunker,
+    count_tokens,
+    get_encoding,
+    markup_for,
+    split_in_two,
+)
+from quarry.documents import Chunk, Document
+
+# ---------------------------------------------------------------------------
+# Strategies: arbitrary Unicode, and text built from the pieces that steer the
+# splitter (headings, fences, lists, sentences, odd whitespace, CJK, emoji).
+
+PIECES = [
+    "word ",
+    "The ",
+    "cat sat. ",
+    "Done! ",
+    "e.g. x ",
+    "\n",
+    "\n\n",
+    "\n\n\n  ",
+    "# Title\n",
+    "## Sub\n",
+    "Heading\n=======\n",
+    "Part\n----\n",
+    "****\nOver\n****\n",
+    "```\n# not a heading\ncode()\n```\n",
+    "~~~\n",
+    "- item\n",
+    "1. first\n",
+    "    indented\n",
+    "\t",
+    "  ",
+    "é",
+    "日本語。",
+    "😀",
+    "\r\n",
+    "\r",
+    "\u3000",
+    "\x0c",
+    "\x85",
+    "'s ",
+    "12345 ",
+    "a" * 40,
+    "https://example.com/a/b?c=d ",
+    "<|endoftext|>",
+    ".",
+    "::\n",
+]
+
+structured_text = st.lists(st.sampled_from(PIECES), max_size=120).map("".join)
+any_text = st.text(max_size=1500)
+texts = st.one_of(structured_text, any_text)
+limits = st.sampled_from([4, 5, 8, 16, 32, 64, 256])
+markups = st.sampled_from(["markdown", "rst", "text", "code"])
+
+PROPERTY_SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@st.composite
+def chunk_args(draw: st.DrawFn) -> tuple[str, int, int, str]:
+    text = draw(texts)
+    max_tokens = draw(limits)
+    overlap = draw(st.integers(min_value=0, max_value=max_tokens - 1))
+    return text, max_tokens, overlap, draw(markups)
+
+
+def chunks_of(text: str, max_tokens: int, overlap: int, markup: str = "markdown") -> list[Chunk]:
+    return list(Chunker(max_tokens, overlap).chunk_text(text, "doc", markup=markup))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# Properties
+
+
+@PROPERTY_SETTINGS
+@given(chunk_args())
+def test_no_chunk_exceeds_the_limit(args: tuple[str, int, int, str]) -> None:
+    text, max_tokens, overlap, markup = args
+    for chunk in chunks_of(text, max_tokens, overlap, markup):
+        real = count_tokens(chunk.text)
+        assert real <= max_tokens
+        assert chunk.token_count == real
+
+
+@PROPERTY_SETTINGS
+@given(chunk_args())
+def test_offsets_cover_the_text_and_only_overlap_repeats(args: tuple[str, int, int, str]) -> None:
+    text, max_tokens, overlap, markup = args
+    chunks = chunks_of(text, max_tokens, overlap, markup)
+    if not text.strip():
+        assert chunks == []
+        return
+    assert chunks[0].char_start == 0
+    assert chunks[-1].char_end == len(text)
+    for before, after in itertools.pairwise(chunks):
+        # No gap, strictly moving forward, and what two chunks share is at most
+        # `overlap` tokens (the repeated tail), never a whole chunk.
+        assert before.char_start < after.char_start <= before.char_end < after.char_end
+        assert count_tokens(text[after.char_start : before.char_end]) <= overlap
+    if overlap == 0:
+        assert "".join(c.text for c in chunks) == text
+
+
+@PROPERTY_SETTINGS
+@given(chunk_args())
+def test_same_input_same_chunks(args: tuple[str, int, int, str]) -> None:
+    text, max_tokens, overlap, markup = args
+    first = chunks_of(text, max_tokens, overlap, markup)
+    again = chunks_of(text, max_tokens, overlap, markup)
+    assert first == again
+
+
+@PROPERTY_SETTINGS
+@given(chunk_args())
+def test_offsets_point_at_the_chunk_text(args: tuple[str, int, int, str]) -> None:
+    text, max_tokens, overlap, markup = args
+    for number, chunk in enumerate(chunks_of(text, max_tokens, overlap, markup)):
+        assert chunk.index == number
+        assert chunk.doc_id == "doc"
+        assert chunk.text == text[chunk.char_start : chunk.char_end]
+        assert chunk.text
+
+
+# ---------------------------------------------------------------------------
+# Structure
+
+MARKDOWN = """# Guide
+
+Intro text that says what the guide is about.
+
+## Install
+
+Run the installer. Then check the version.
+
+```python
+# a comment, not a heading
+print("hi")
+```
+
+Usage
+-----
+
+- one item
+- another item
+"""
+
+
+def test_markdown_breadcrumbs_follow_atx_and_setext_headings() -> None:
+    chunks = chunks_of(MARKDOWN, 32, 0)
+    by_text = {c.text.split("\n", 1)[0]: c.headings for c in chunks}
+    assert by_text["# Guide"] == ("Guide",)
+    assert ("Guide", "Install") in by_text.values()
+    assert ("Guide", "Usage") in by_text.values()
+    assert all("a comment, not a heading" not in h for c in chunks for h in c.headings)
+
+
+def test_heading_lines_inside_code_fences_are_ignored() -> None:
+    text = "# Top\n\n```\n# inside\n## also inside\n```\n\nafter the fence\n"
+    chunks = chunks_of(text, 8, 0)
+    assert all(c.headings in {("Top",), ()} for c in chunks)
+    assert any("after the fence" in c.text for c in chunks)
+
+
+def test_rst_underlined_and_overlined_titles() -> None:
+    text = (
+        "=======\nManual\n=======\n\nPreface text.\n\n"
+        "Setup\n=====\n\nSetup text here.\n\n"
+        "Details\n-------\n\nDetail text.\n\n"
+        "Other\n=====\n\nOther text.\n"
+    )
+    chunks = chunks_of(text, 8, 0, "rst")
+    crumbs = {c.text.strip().split("\n")[-1]: c.headings for c in chunks}
+    assert crumbs["Preface text."] == ("Manual",)
+    assert crumbs["Setup text here."] == ("Manual", "Setup")
+    assert crumbs["Detail text."] == ("Manual", "Setup", "Details")
+    assert crumbs["Other text."] == ("Manual", "Other")
+
+
+def test_code_markup_has_no_headings() -> None:
+    text = "# comment\nx = 1\n\n# another\ny = 2\n"
+    assert all(c.headings == () for c in chunks_of(text, 4, 0, "code"))
+
+
+def test_a_code_fence_that_fits_is_kept_whole() -> None:
+    fence = "```\n" + "\n".join(f"line_{i} = {i}" for i in range(12)) + "\n```\n"
+    text = "Before the code. " * 6 + "\n\n" + fence + "\nAfter the code. " * 6
+    assert count_tokens(fence) < 100
+    chunks = chunks_of(text, 100, 10)
+    assert any(fence in c.text for c in chunks)
+
+
+def test_a_heading_starts_a_chunk_once_the_chunk_has_some_content() -> None:
+    body = "A sentence of body text that goes on. " * 8
+    text = f"# One\n\n{body}\n\n# Two\n\n{body}\n"
+    chunks = chunks_of(text, 256, 32)
+    assert [c.text.split("\n", 1)[0] for c in chunks] == ["# One", "# Two"]
+    assert chunks[1].char_start == text.index("# Two")  # no overlap across a heading
+
+
+def test_a_heading_is_never_left_at_the_end_of_a_chunk() -> None:
+    body = "Words and more words to fill the space here. " * 3
+    text = "".join(f"## Part {i}\n\n{body}\n\n" for i in range(12))
+    for chunk in chunks_of(text, 64, 8):
+        last_line = chunk.text.rstrip().rsplit("\n", 1)[-1]
+        assert not last_line.startswith("#")
+
+
+def test_sentences_are_the_cut_inside_a_long_paragraph() -> None:
+    sentences = [f"Sentence number {i} says something quite ordinary." for i in range(40)]
+    text = " ".join(sentences)
+    chunks = chunks_of(text, 64, 0)
+    assert len(chunks) > 3
+    for chunk in chunks[:-1]:
+        assert chunk.text.rstrip().endswith(".")
+
+
+def test_overlap_repeats_the_tail_of_the_previous_chunk() -> None:
+    text = " ".join(f"Sentence {i} is here." for i in range(200))
+    chunks = chunks_of(text, 64, 16)
+    shared = [before.char_end - after.char_start for before, after in itertools.pairwise(chunks)]
+    assert all(s > 0 for s in shared)
+    for before, after in itertools.pairwise(chunks):
+        tail = text[after.char_start : before.char_end]
+        assert 0 < count_tokens(tail) <= 16
+        assert before.text.endswith(tail)
+        # The overlap starts between words: at the space after one (where the
+        # tokenizer cuts too, so its count is exact) or at a line start.
+        starts_at_space = tail[0] in " \t" and not text[after.char_start - 1].isspace()
+        assert starts_at_space or text[after.char_start - 1] == "\n"
+
+
+def test_small_tail_is_merged_into_its_neighbour() -> None:
+    # Greedy packing would leave a last chunk of a few tokens.
+    paragraphs = ["Paragraph text that fills a chunk well enough. " * 5 for _ in range(3)]
+    text = "\n\n".join(paragraphs) + "\n\nTiny end.\n"
+    chunks = chunks_of(text, 128, 0)
+    assert all(c.token_count >= 128 // 4 for c in chunks)
+    assert chunks[-1].text.endswith("Tiny end.\n")
+
+
+def test_long_run_without_whitespace_is_cut_by_tokens() -> None:
+    text = "x" * 5000 + " end"
+    chunks = chunks_of(text, 32, 4)
+    assert all(c.token_count <= 32 for c in chunks)
+    assert chunks[-1].char_end == len(text)
+
+
+def test_chunking_streams_instead_of_encoding_the_whole_text() -> None:
+    paragraph = "Streaming text should be chunked window by window, never at once. " * 6
+    text = "\n\n".join(f"## Section {i}\n\n{paragraph}" for i in range(3000))  # ~1.4M chars
+    chunker = Chunker(256, 32)
+    tracemalloc.start()
+    try:
+        count = 0
+        for _ in chunker.chunk_text(text):
+            count += 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count >= 3000
+    # One token list for the whole text would take ~10 MB here (300k tokens).
+    assert peak < len(text) // 4
+
+
+def test_chunk_uses_the_document_content_type() -> None:
+    text = "Title\n*****\n\nBody text.\n"
+    rst = Document.create("src/a.rst", text, "Title", {"content_type": "text/x-rst"})
+    code = Document.create("src/a.py", "# Title\nx = 1\n", "a", {"content_type": "text/x-python"})
+    assert Chunker().chunk(rst)[0].headings == ("Title",)
+    assert Chunker().chunk(code)[0].headings == ()
+    assert Chunker().chunk(rst)[0].doc_id == rst.doc_id
+    assert markup_for("text/markdown; charset=utf-8") == "markdown"
+
+
+# ---------------------------------------------------------------------------
+# Settings and the encoding
+
+
+def test_settings_are_recorded_with_the_collection() -> None:
+    assert Chunker(300, 40).settings == {
+        "encoding": "cl100k_base",
+        "max_tokens": 300,
+        "overlap": 40,
+        "version": CHUNKER_VERSION,
+    }
+
+
+@pytest.mark.parametrize(("max_tokens", "overlap"), [(32, 32), (32, 40), (32, -1), (3, 0)])
+def test_bad_settings_are_refused(max_tokens: int, overlap: int) -> None:
+    with pytest.raises(ValueError):
+        Chunker(max_tokens, overlap)
+
+
+def test_encoding_is_cl100k_base_and_cached() -> None:
+    enc = get_encoding()
+    assert enc.name == "cl100k_base"
+    assert enc is get_encoding()
+    assert enc.encode("hello world") == [15339, 1917]
+    assert count_tokens("hello world") == 2
+    assert count_tokens("<|endoftext|>") > 1  # special-token text is plain text here
+
+
+def test_encoding_loads_offline_without_touching_the_tiktoken_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    script = (
+        "import socket\n"
+        "def refuse(*a, **k):\n"
+        "    raise RuntimeError('network used')\n"
+        "socket.socket.connect = refuse\n"
+        "socket.create_connection = refuse\n"
+        "from quarry.chunking import get_encoding\n"
+        "print(len(get_encoding().encode('offline check')))\n"
+    )
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(cache)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+    assert list(cache.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------
+# split_in_two
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(min_size=2, max_size=400))
+def test_split_in_two_keeps_every_character(text: str) -> None:
+    a, b = split_in_two(text)
+    assert a and b
+    assert a + b == text
+
+
+def test_split_in_two_prefers_a_paragraph_near_the_middle() -> None:
+    left = "First paragraph. It has sentences.\nAnd lines."
+    right = "Second paragraph. Also sentences.\nMore lines."
+    assert split_in_two(left + "\n\n" + right) == (left + "\n\n", right)
+
+
+def test_split_in_two_falls_back_to_lines_sentences_words_chars() -> None:
+    assert split_in_two("aaaa bbbb\ncccc dddd") == ("aaaa bbbb\n", "cccc dddd")
+    assert split_in_two("One two three. Four five six.") == ("One two three. ", "Four five six.")
+    assert split_in_two("alpha beta gamma delta") == ("alpha beta ", "gamma delta")
+    assert split_in_two("abcdef") == ("abc", "def")
+
+
+@pytest.mark.parametrize("text", ["", "x"])
+def test_split_in_two_refuses_tiny_text(text: str) -> None:
+    with pytest.raises(ValueError):
+        split_in_two(text)

@@ -1,0 +1,391 @@
+"""Loaders: every file kind, broken files, symlinks, globs, metadata."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+from pypdf import PdfWriter
+from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
+
+from quarry.documents import Document, doc_id_for
+from quarry.errors import SourceNotFound, UnreadableDocument
+from quarry.sources import (
+    DEFAULT_EXCLUDE,
+    DEFAULT_INCLUDE,
+    LoadFailure,
+    SourceSpec,
+    discover,
+    html_to_text,
+    iter_documents,
+    load_document,
+    load_path,
+    open_source,
+    uri_for,
+)
+
+# ---------------------------------------------------------------------------
+# Fixtures
+
+
+def make_pdf(pages: list[str], title: str | None = None) -> bytes:
+    """A small PDF with one Helvetica text line per input line, made with pypdf."""
+    writer = PdfWriter()
+    font = DictionaryObject(
+        {
+            NameObject("/Type"): NameObject("/Font"),
+            NameObject("/Subtype"): NameObject("/Type1"),
+            NameObject("/BaseFont"): NameObject("/Helvetica"),
+        }
+    )
+    font_ref = writer._add_object(font)
+    for text in pages:
+        page = writer.add_blank_page(612, 792)
+        ops = ["BT", "/F1 12 Tf", "72 720 Td", "14 TL"]
+        for line in text.split("\n"):
+            escaped = line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+            ops.append(f"({escaped}) Tj T*")
+        ops.append("ET")
+        stream = DecodedStreamObject()
+        stream.set_data("\n".join(ops).encode("latin-1"))
+        page[NameObject("/Contents")] = writer._add_object(stream)
+        page[NameObject("/Resources")] = DictionaryObject(
+            {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font_ref})}
+        )
+    if title:
+        writer.add_metadata({"/Title": title})
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    return buffer.getvalue()
+
+
+HTML = """<!doctype html>
+<html><head><title>Page  Title</title>
+<style>body { color: red }</style><script>var secret = "script text";</script></head>
+<body>
+<nav><a href="/">Home</a> | <a href="/docs">Docs navigation</a></nav>
+<div class="sphinxsidebar">Sidebar links</div>
+<main>
+<h1>Main heading<a class="headerlink" href="#x">¶</a></h1>
+<p>First   paragraph with <code>inline code</code> and
+<b>bold</b> words.</p>
+<ul><li>apple</li><li>pear</li></ul>
+<ol><li>one</li><li>two</li></ol>
+<pre>def f():
+    return 1</pre>
+<table><tr><th>Name</th><th>Value</th></tr><tr><td>a</td><td>1</td></tr></table>
+<h2>Second</h2>
+<p>Last paragraph.<br>New line.</p>
+<script>more_script()</script>
+</main>
+<footer role="contentinfo">Footer text</footer>
+</body></html>
+"""
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "docs"
+    (root / "guide").mkdir(parents=True)
+    (root / "guide" / "intro.md").write_text("# Intro\n\nHello from markdown.\n")
+    (root / "notes.txt").write_text("Plain text notes.\r\nSecond line.\r\n")
+    (root / "manual.rst").write_text("Manual\n======\n\nSome rst text.\n")
+    (root / "page.html").write_text(HTML)
+    (root / "report.pdf").write_bytes(make_pdf(["Page one text", "Page two text"], "Report"))
+    (root / "script.py").write_text("# a comment\nprint('code')\n")
+    (root / "node_modules" / "pkg").mkdir(parents=True)
+    (root / "node_modules" / "pkg" / "README.md").write_text("# vendored\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD.md").write_text("ref\n")
+    return root
+
+
+def documents(spec: SourceSpec, **kwargs: int) -> tuple[list[Document], list[LoadFailure]]:
+    docs: list[Document] = []
+    failures: list[LoadFailure] = []
+    for item in iter_documents(spec, **kwargs):
+        (failures if isinstance(item, LoadFailure) else docs).append(item)
+    return docs, failures
+
+
+# ---------------------------------------------------------------------------
+# Sources, globs, discovery
+
+
+def test_open_source_defaults(tree: Path) -> None:
+    spec = open_source(tree)
+    assert spec.root == tree.resolve()
+    assert spec.name == "docs"
+    assert spec.uri_prefix == "docs/"
+    assert spec.include == DEFAULT_INCLUDE
+    assert spec.exclude == DEFAULT_EXCLUDE
+
+
+def test_open_source_names_a_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(SourceNotFound) as info:
+        open_source(missing)
+    assert str(missing) in str(info.value)
+    assert info.value.uri == str(missing)
+
+
+def test_open_source_on_a_single_file(tree: Path) -> None:
+    spec = open_source(tree / "manual.rst")
+    assert [p.name for p in discover(spec)] == ["manual.rst"]
+    assert uri_for(tree / "manual.rst", spec) == "docs/manual.rst"
+
+
+def test_discover_is_sorted_and_skips_excluded_directories(tree: Path) -> None:
+    spec = open_source(tree)
+    rels = [p.relative_to(tree).as_posix() for p in discover(spec)]
+    assert rels == ["guide/intro.md", "manual.rst", "notes.txt", "page.html", "report.pdf"]
+    assert rels == sorted(rels)
+
+
+def test_excluded_directories_are_not_descended(tree: Path) -> None:
+    locked = tree / "node_modules" / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    try:
+        docs, failures = documents(open_source(tree))
+    finally:
+        locked.chmod(0o755)
+    assert failures == []  # an unreadable folder under an excluded one is never listed
+    assert not any("node_modules" in d.uri for d in docs)
+
+
+def test_include_globs_pick_source_code(tree: Path) -> None:
+    spec = open_source(tree, include=("**/*.py",))
+    docs, failures = documents(spec)
+    assert failures == []
+    assert [d.uri for d in docs] == ["docs/script.py"]
+    assert docs[0].metadata["content_type"] == "text/x-python"
+    assert docs[0].text == "# a comment\nprint('code')\n"
+
+
+def test_globs_match_case_insensitively_and_at_any_depth(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "DEEP.MD").write_text("deep\n")
+    (tmp_path / "top.md").write_text("top\n")
+    (tmp_path / "skip.md").write_text("skip\n")
+    spec = SourceSpec(tmp_path, include=("**/*.md",), exclude=("skip.md",), name="n")
+    assert [uri_for(p, spec) for p in discover(spec)] == ["n/a/b/DEEP.MD", "n/top.md"]
+
+
+# ---------------------------------------------------------------------------
+# Each kind of file
+
+
+def test_every_kind_loads_with_its_metadata(tree: Path) -> None:
+    docs, failures = documents(open_source(tree))
+    assert failures == []
+    by_uri = {d.uri: d for d in docs}
+    assert sorted(by_uri) == [
+        "docs/guide/intro.md",
+        "docs/manual.rst",
+        "docs/notes.txt",
+        "docs/page.html",
+        "docs/report.pdf#page=1",
+        "docs/report.pdf#page=2",
+    ]
+    for doc in docs:
+        for key in ("uri", "title", "content_type", "mtime", "size"):
+            assert key in doc.metadata, (doc.uri, key)
+        assert doc.metadata["uri"] == doc.uri
+        assert doc.metadata["title"] == doc.title
+        assert doc.doc_id == doc_id_for(doc.uri)
+    assert by_uri["docs/guide/intro.md"].title == "Intro"
+    assert by_uri["docs/guide/intro.md"].metadata["content_type"] == "text/markdown"
+    assert by_uri["docs/manual.rst"].title == "Manual"
+    assert by_uri["docs/manual.rst"].metadata["content_type"] == "text/x-rst"
+    assert by_uri["docs/notes.txt"].title == "notes"
+    assert by_uri["docs/notes.txt"].metadata["size"] == len(
+        b"Plain text notes.\r\nSecond line.\r\n"
+    )
+    assert by_uri["docs/page.html"].title == "Page Title"
+
+
+def test_text_is_normalised_but_otherwise_exact(tmp_path: Path) -> None:
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\rline three\n")
+    [doc] = load_document(tmp_path / "bom.txt", open_source(tmp_path))
+    assert doc.text == "line one\nline two\nline three\n"
+    assert "encoding" not in doc.metadata
+
+
+def test_pdf_keeps_page_numbers(tree: Path) -> None:
+    spec = open_source(tree)
+    pages = load_document(tree / "report.pdf", spec)
+    assert [d.metadata["page"] for d in pages] == [1, 2]
+    assert [d.metadata["page_count"] for d in pages] == [2, 2]
+    assert [d.uri for d in pages] == ["docs/report.pdf#page=1", "docs/report.pdf#page=2"]
+    assert "Page one text" in pages[0].text
+    assert "Page two text" in pages[1].text
+    assert {d.title for d in pages} == {"Report"}
+    assert pages[0].metadata["content_type"] == "application/pdf"
+
+
+def test_html_keeps_title_and_main_text_only() -> None:
+    title, text = html_to_text(HTML)
+    assert title == "Page Title"
+    assert "# Main heading\n" in text
+    assert "First paragraph with inline code and bold words." in text
+    assert "- apple\n\n- pear" in text
+    assert "1. one\n\n2. two" in text
+    assert "```\ndef f():\n    return 1\n```" in text
+    assert "Name | Value" in text
+    assert "a | 1" in text
+    assert "## Second" in text
+    assert "Last paragraph.\nNew line." in text
+    for dropped in ("script text", "more_script", "color: red", "navigation", "Sidebar", "¶"):
+        assert dropped not in text
+    assert "Footer" not in text  # outside <main>
+
+
+def test_html_without_main_uses_the_body() -> None:
+    title, text = html_to_text(
+        "<html><body><nav>menu</nav><h1>Only</h1><p>Body text.</p>"
+        "<div role='navigation'>more menu</div></body></html>"
+    )
+    assert title == "Only"
+    assert text == "# Only\n\nBody text.\n"
+
+
+def test_load_path_reads_any_single_file_as_text(tmp_path: Path) -> None:
+    source = tmp_path / "tool.go"
+    source.write_text("package main\n\nfunc main() {}\n")
+    [doc] = load_path(source)
+    assert doc.uri == f"{tmp_path.name}/tool.go"
+    assert doc.text == "package main\n\nfunc main() {}\n"
+    assert doc.metadata["content_type"] == "text/x-go"
+    with pytest.raises(SourceNotFound):
+        load_path(tmp_path / "missing.md")
+    with pytest.raises(UnreadableDocument):
+        load_path(tmp_path)
+
+
+def test_touching_a_file_keeps_its_hash(tree: Path) -> None:
+    spec = open_source(tree)
+    path = tree / "notes.txt"
+    [before] = load_document(path, spec)
+    os.utime(path, (1_000_000_000, 1_000_000_000))
+    [after] = load_document(path, spec)
+    assert after.metadata["mtime"] != before.metadata["mtime"]
+    assert after.doc_hash == before.doc_hash
+    path.write_text("Changed.\n")
+    [changed] = load_document(path, spec)
+    assert changed.doc_hash != before.doc_hash
+
+
+# ---------------------------------------------------------------------------
+# Broken and unwelcome files: reported, never fatal
+
+
+def test_truncated_pdf_is_reported_and_the_run_goes_on(tree: Path) -> None:
+    good = make_pdf(["Some text"])
+    (tree / "broken.pdf").write_bytes(good[: len(good) // 2])
+    docs, failures = documents(open_source(tree))
+    assert [f.uri for f in failures] == ["docs/broken.pdf"]
+    assert "broken PDF" in failures[0].error
+    assert len(docs) == 6  # every other file still loaded
+
+
+def test_pdf_cut_anywhere_never_raises_anything_else(tmp_path: Path) -> None:
+    good = make_pdf(["Some text", "More text"])
+    spec = open_source(tmp_path)
+    for cut in range(0, len(good), max(1, len(good) // 25)):
+        (tmp_path / "cut.pdf").write_bytes(good[:cut])
+        items = list(iter_documents(spec))
+        assert all(isinstance(i, Document | LoadFailure) for i in items)
+
+
+def test_invalid_utf8_is_decoded_by_detection_and_says_so(tmp_path: Path) -> None:
+    text = "Le café est très chaud, à côté de la fenêtre. " * 4
+    (tmp_path / "latin.txt").write_bytes(text.encode("cp1252"))
+    [doc] = load_document(tmp_path / "latin.txt", open_source(tmp_path))
+    assert doc.text == text
+    assert doc.metadata["encoding"] in {"cp1252", "latin_1", "iso8859_15", "cp1250"}
+
+
+def test_undecodable_text_is_reported_with_what_was_tried(tmp_path: Path) -> None:
+    garbage = bytes(range(0x80, 0x100)) * 40 + b"\xc3\x28\xa0\xa1\xe2\x28\xa1\xf0\x28\x8c\xbc"
+    (tmp_path / "bad.md").write_bytes(garbage)
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure)
+    assert failure.uri == f"{tmp_path.name}/bad.md"
+    assert "utf-8" in failure.error
+    assert "utf-8-sig" in failure.error
+    assert "detect" in failure.error
+
+
+def test_binary_file_is_skipped_and_reported(tmp_path: Path) -> None:
+    (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200))
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure)
+    assert "binary" in failure.error
+
+
+def test_file_over_the_size_limit_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "big.md").write_text("x" * 2000)
+    (tmp_path / "small.md").write_text("small\n")
+    docs, failures = documents(open_source(tmp_path), max_file_bytes=1000)
+    assert [d.uri for d in docs] == [f"{tmp_path.name}/small.md"]
+    assert [f.uri for f in failures] == [f"{tmp_path.name}/big.md"]
+    assert "2000 bytes" in failures[0].error
+    assert "QUARRY_MAX_FILE_BYTES" in failures[0].error
+
+
+def test_empty_files_give_no_document_and_no_failure(tmp_path: Path) -> None:
+    for name in ("empty.md", "empty.txt", "empty.html", "empty.pdf", "blank.rst"):
+        (tmp_path / name).write_bytes(b"" if name != "blank.rst" else b" \n\n\t\n")
+    spec = open_source(tmp_path)
+    assert list(iter_documents(spec)) == []
+    assert load_document(tmp_path / "empty.md", spec) == []
+
+
+def test_pdf_without_text_is_reported(tmp_path: Path) -> None:
+    writer = PdfWriter()
+    writer.add_blank_page(612, 792)
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    (tmp_path / "scan.pdf").write_bytes(buffer.getvalue())
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure)
+    assert "no extractable text" in failure.error
+
+
+def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.md").write_text("# Secret\n\nDo not index.\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "real.md").write_text("# Real\n")
+    (root / "leak.md").symlink_to(outside / "secret.md")
+    (root / "leakdir").symlink_to(outside, target_is_directory=True)
+    (root / "inside.md").symlink_to(root / "real.md")
+    spec = open_source(root)
+    assert [p.name for p in discover(spec)] == ["inside.md", "real.md"]
+    docs, failures = documents(spec)
+    assert sorted(d.uri for d in docs) == ["root/inside.md", "root/real.md"]
+    assert sorted(f.uri for f in failures) == ["root/leak.md", "root/leakdir"]
+    assert all("outside the source root" in f.error for f in failures)
+    assert not any("Do not index" in d.text for d in docs)
+    with pytest.raises(UnreadableDocument, match="outside the source root"):
+        load_document(root / "leak.md", spec)
+
+
+def test_broken_symlink_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "gone.md").symlink_to(tmp_path / "missing.md")
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure)
+    assert "broken symlink" in failure.error
+
+
+def test_symlink_loop_inside_the_root_terminates(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "doc.md").write_text("# Doc\n")
+    (tmp_path / "a" / "loop").symlink_to(tmp_path / "a", target_is_directory=True)
+    paths = [p.relative_to(tmp_path).as_posix() for p in discover(open_source(tmp_path))]
+    assert paths == ["a/doc.md"]
