@@ -9,8 +9,10 @@ decides what runs where: each batch of documents is a Prefect task, at most
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,14 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from quarry.sources import open_source
+from prefect.futures import PrefectFuture
 
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
 from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
 from quarry.services import open_services
+from quarry.sources import open_source
 
 
 # No Prefect retries: the clients own retries of transient failures, and a
@@ -33,6 +36,36 @@ from quarry.services import open_services
 def write_documents(sync: IndexSync, documents: list[Document]) -> BatchResult:
     """Chunk, embed and upsert one batch of documents (idempotent: point ids are deterministic)."""
     return sync.write_batch(documents)
+
+
+BatchProgress = Callable[[BatchResult], None]
+# Set by an interactive caller (the CLI) to watch batches complete; a deployment leaves it unset.
+INGEST_PROGRESS: ContextVar[BatchProgress | None] = ContextVar(
+    "quarry_ingest_progress", default=None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Watched:
+    """A batch's future that reports its result to the progress callback when collected."""
+
+    future: PrefectFuture[BatchResult]
+    on_done: BatchProgress
+
+    def result(self) -> BatchResult:
+        value = self.future.result()
+        self.on_done(value)
+        return value
+
+
+def _submitter(on_done: BatchProgress | None) -> Callable[[IndexSync, list[Document]], Any]:
+    if on_done is None:
+        return write_documents.submit
+
+    def submit(sync: IndexSync, documents: list[Document]) -> _Watched:
+        return _Watched(write_documents.submit(sync, documents), on_done)
+
+    return submit
 
 
 @contextmanager
@@ -115,7 +148,7 @@ def ingest_flow(
             full_sync=full_sync,
             allow_mass_delete=allow_mass_delete,
             max_file_bytes=settings.max_file_bytes,
-            submit=write_documents.submit,
+            submit=_submitter(INGEST_PROGRESS.get()),
             window=settings.workers,
             log=logger,
         )

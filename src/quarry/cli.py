@@ -64,6 +64,39 @@ def _settings(**overrides: Any) -> Settings:
         _fail(f"invalid QUARRY_ setting: {error}", EXIT_USAGE)
 
 
+@contextmanager
+def _ingest_progress() -> Iterator[None]:
+    """A live progress line on an interactive stderr while batches are embedded."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from flows.ingest import INGEST_PROGRESS
+
+    totals = {"documents": 0, "chunks": 0, "failed": 0}
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("embedding...", total=None)
+
+        def on_batch(result: Any) -> None:
+            totals["documents"] += result.documents_embedded
+            totals["chunks"] += result.chunks_embedded
+            totals["failed"] += len(result.failures)
+            progress.update(
+                task,
+                description=f"embedded {totals['documents']} documents "
+                f"({totals['chunks']} chunks), {totals['failed']} failed",
+            )
+
+        token = INGEST_PROGRESS.set(on_batch)
+        try:
+            yield
+        finally:
+            INGEST_PROGRESS.reset(token)
+
+
 def _preflight(settings: Settings) -> None:
     """Fail fast, before Prefect starts, when the configured services do not answer."""
     if settings.embed_url:
@@ -114,7 +147,7 @@ def ingest(
     from flows import configure_prefect_environment
 
     configure_prefect_environment(settings.data_dir)
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(), _ingest_progress():
         from flows.ingest import ingest_flow
 
         summary = ingest_flow(
