@@ -50,6 +50,8 @@ PIECES = [
     "  ",
     "é",
     "日本語。",
+    "他说。",
+    "“好”",
     "😀",
     "\r\n",
     "\r",
@@ -174,6 +176,18 @@ def test_markdown_breadcrumbs_follow_atx_and_setext_headings() -> None:
     assert all("a comment, not a heading" not in h for c in chunks for h in c.headings)
 
 
+def test_a_chunk_spanning_sections_carries_their_common_headings() -> None:
+    intro = "Introductory text that fills most of a chunk on its own. " * 10
+    detail = "Details that go on for a while in this part. " * 6
+    text = f"# A\n\n{intro}\n\n## B\n\nShort.\n\n## C\n\n{detail}\n"
+    chunks = chunks_of(text, 256, 0)
+    last = chunks[-1]
+    assert last.text.startswith("## B")
+    assert "## C" in last.text
+    assert last.headings == ("A",)  # B and C both lie under A, neither encloses the chunk
+    assert chunks[0].headings == ("A",)
+
+
 def test_heading_lines_inside_code_fences_are_ignored() -> None:
     text = "# Top\n\n```\n# inside\n## also inside\n```\n\nafter the fence\n"
     chunks = chunks_of(text, 8, 0)
@@ -250,12 +264,24 @@ def test_overlap_repeats_the_tail_of_the_previous_chunk() -> None:
 
 
 def test_small_tail_is_merged_into_its_neighbour() -> None:
-    # Greedy packing would leave a last chunk of a few tokens.
-    paragraphs = ["Paragraph text that fills a chunk well enough. " * 5 for _ in range(3)]
-    text = "\n\n".join(paragraphs) + "\n\nTiny end.\n"
-    chunks = chunks_of(text, 128, 0)
-    assert all(c.token_count >= 128 // 4 for c in chunks)
+    # Greedy packing would end with a chunk of 3 tokens ("Tiny end."): the last
+    # two chunks are rebalanced at a sentence instead.
+    body = " ".join(f"Sentence {i} has a few more words in it." for i in range(25))
+    text = body + "\n\nTiny end.\n"
+    chunks = chunks_of(text, 100, 0)
+    assert all(c.token_count >= 100 // 4 for c in chunks)
     assert chunks[-1].text.endswith("Tiny end.\n")
+    # And a tail that fits is simply merged.
+    short = chunks_of("Some words here. " * 30 + "\n\nEnd.\n", 400, 0)
+    assert len(short) == 1
+
+
+def test_cjk_sentence_cuts_are_recounted() -> None:
+    # A cut right after 。 is not a tokenizer piece boundary when a letter or an
+    # opening quote follows: counts must be taken again, not added up.
+    text = "他说。“好”" * 60
+    for chunk in chunks_of(text, 8, 0):
+        assert chunk.token_count == count_tokens(chunk.text) <= 8
 
 
 def test_long_run_without_whitespace_is_cut_by_tokens() -> None:
@@ -357,13 +383,25 @@ def test_split_in_two_prefers_a_paragraph_near_the_middle() -> None:
     left = "First paragraph. It has sentences.\nAnd lines."
     right = "Second paragraph. Also sentences.\nMore lines."
     assert split_in_two(left + "\n\n" + right) == (left + "\n\n", right)
+    # A paragraph break in the middle half wins over a space nearer the middle.
+    text = "word " * 6 + "\n\n" + "word " * 10
+    assert split_in_two(text) == ("word " * 6 + "\n\n", "word " * 10)
 
 
 def test_split_in_two_falls_back_to_lines_sentences_words_chars() -> None:
     assert split_in_two("aaaa bbbb\ncccc dddd") == ("aaaa bbbb\n", "cccc dddd")
-    assert split_in_two("One two three. Four five six.") == ("One two three. ", "Four five six.")
+    assert split_in_two("one two three four\nfive six seven eight nine ten eleven") == (
+        "one two three four\n",
+        "five six seven eight nine ten eleven",
+    )
+    assert split_in_two("Alpha beta. Gamma delta epsilon zeta eta theta") == (
+        "Alpha beta. ",
+        "Gamma delta epsilon zeta eta theta",
+    )
     assert split_in_two("alpha beta gamma delta") == ("alpha beta ", "gamma delta")
     assert split_in_two("abcdef") == ("abc", "def")
+    # A boundary outside the middle half does not count.
+    assert split_in_two("a\n" + "x" * 20) == ("a\nxxxxxxxxx", "x" * 11)
 
 
 @pytest.mark.parametrize("text", ["", "x"])

@@ -10,16 +10,23 @@ large file never becomes one big token list:
    The text between two such places is a *unit*; each unit carries the
    heading breadcrumb in force where it starts and the strength of the
    boundary it starts at: heading > code fence > paragraph > list item >
-   sentence > line > word > token.
-2. **Tokens.** Each unit is encoded once. A unit longer than
-   ``max_tokens - overlap`` is cut inside, at sentences, then lines, then
-   words, then token windows, reusing its tokens to count the pieces.
+   sentence > line > word > token. Short paragraphs and list items are joined
+   to the unit before them (up to ``max_tokens - overlap`` characters), so a
+   heading keeps its first short paragraph and small blocks cost less.
+2. **Tokens.** Each unit is encoded once. A long unit of prose is encoded
+   sentence by sentence (sentences grouped up to the same number of
+   characters); a unit over ``max_tokens - overlap`` tokens is cut inside, at
+   sentences, then lines, then words, then token windows, reusing its tokens
+   to count the pieces. A code fence that fits stays one unit.
 3. **Packing.** Units are packed greedily. When the next unit does not fit,
-   the chunk ends at the strongest boundary that keeps it at least half full;
-   a heading ends a chunk that already holds a quarter of ``max_tokens``;
-   a small last piece is merged into (or rebalanced with) its neighbour. Each
-   chunk after a non-heading boundary starts with up to ``overlap`` tokens of
-   the previous chunk's tail, begun at a word start.
+   the chunk ends at the strongest boundary that keeps it at least half full
+   (never right after a bare heading); a heading ends a chunk that already
+   holds a quarter of ``max_tokens``; a small last piece is merged into (or
+   rebalanced with) its neighbour. Each chunk after a non-heading boundary
+   starts with up to ``overlap`` tokens of the previous chunk's tail, begun
+   between two words (or at a line start). A chunk's breadcrumb is the
+   headings that enclose all of its own text (the common prefix of its units'
+   breadcrumbs).
 
 Exact token counts without re-encoding. tiktoken first cuts a text into pieces
 with a regex and then runs BPE inside each piece, so a text cut at a place that
@@ -511,6 +518,7 @@ class Chunker:
         self._unit_max = max_tokens - overlap
         self._min_tokens = max(1, max_tokens // 4)
         self._window_chars = max(_MIN_WINDOW_CHARS, 64 * max_tokens)
+        self._sentence_group_chars = self._unit_max  # ~ a quarter of a chunk of prose
 
     @property
     def settings(self) -> dict[str, object]:
@@ -632,11 +640,20 @@ class Chunker:
         encode = get_encoding().encode_ordinary
         limit = self._unit_max
         n = len(segment)
+        # Sentences are grouped up to ``group`` characters before they are encoded:
+        # fewer, larger units, each still ending at a sentence.
+        group = self._sentence_group_chars
         bounds = [0]
+        previous = 0
         for m in _SENTENCE_CUT.finditer(segment):
             cut = m.end()
-            if 0 < cut < n and segment[cut - 1] not in _UNSAFE_BEFORE:
-                bounds.append(cut)
+            if cut >= n or segment[cut - 1] in _UNSAFE_BEFORE:
+                continue
+            if cut - bounds[-1] > group and previous > bounds[-1]:
+                bounds.append(previous)
+            previous = cut
+        if n - bounds[-1] > group and previous > bounds[-1]:
+            bounds.append(previous)
         bounds.append(n)
         pieces = [encode(segment[a:b]) for a, b in itertools.pairwise(bounds)]
         total = sum(map(len, pieces))
