@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from quarry.config import Settings, get_settings
-from quarry.errors import QuarryError, Refused, SourceNotFound
+from quarry.errors import ConfigError, QuarryError, Refused, SourceNotFound
 
 if TYPE_CHECKING:
     from quarry.search import SearchResponse
@@ -51,6 +51,8 @@ def _errors_to_exit_codes() -> Iterator[None]:
         _fail(str(error), EXIT_USAGE)
     except Refused as error:
         _fail(f"refused: {error}", EXIT_REFUSED)
+    except ConfigError as error:
+        _fail(str(error), EXIT_USAGE)
     except QuarryError as error:
         _fail(str(error), EXIT_FAILED)
     except ValueError as error:  # pydantic settings validation
@@ -512,6 +514,38 @@ def parity(
     _emit(as_json, report.to_dict(), human)
     if not report.passed:
         raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("eval")
+def evaluate(
+    dataset_dir: Annotated[Path, typer.Argument(help="A BEIR-layout dataset folder.")],
+    split: Annotated[str, typer.Option(help="Which qrels/<split>.tsv to score.")] = "test",
+    no_rerank: Annotated[bool, typer.Option("--no-rerank", help="Vector scores only.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Score retrieval on a BEIR dataset: nDCG@10, recall@10, recall@100, MRR@10."""
+    settings = _settings()
+    if not dataset_dir.is_dir():
+        _fail(f"{dataset_dir}: no such directory", EXIT_USAGE)
+    with _errors_to_exit_codes():
+        from quarry.evaluate import eval_command
+
+        eval_command(
+            dataset_dir, settings=settings, split=split, rerank=not no_rerank, as_json=as_json
+        )
+
+
+@app.command()
+def api(
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve the query API for applications (POST /v1/query, /healthz, /readyz)."""
+    settings = _settings()
+    with _errors_to_exit_codes():
+        from quarry.api import serve as serve_api
+
+        serve_api(settings, host=host, port=port)
 
 
 @app.command("local-tei")

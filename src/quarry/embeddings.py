@@ -10,6 +10,7 @@ parts, never truncated.
 from __future__ import annotations
 
 import base64
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +178,10 @@ class EmbeddingClient:
         self._info_lock = threading.Lock()
         self.requests_sent = 0
         self._count_lock = threading.Lock()
+        # One pool per client, shared by every caller: ``concurrency`` bounds the requests
+        # in flight for the whole client, however many threads (Prefect tasks) embed at once.
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     # -- what the service is -------------------------------------------------------------
 
@@ -260,31 +265,62 @@ class EmbeddingClient:
         another reason comes back as an :class:`EmbedFailure`; the rest of its batch
         is unaffected. ``documents`` (one uri per input) name the inputs in errors.
         Transient failures that outlast the retry budget raise ServiceUnavailable.
+
+        Batches go to the client's shared pool as soon as they are sized, so the first
+        requests are in flight while the rest are still being measured.
         """
         names = list(documents) if documents is not None else [""] * len(texts)
-        formatted = [self.profile.format_passage(text) for text in texts]
-        batches = list(self._batches(formatted))
-        results: list[EmbedResult] = []
-        if len(batches) <= 1 or self.concurrency == 1:
-            for start, end in batches:
+        profile = self.profile
+        formatted = [profile.format_passage(text) for text in texts]
+        batches = self._batches(formatted)
+        first = next(batches, None)
+        if first is None:
+            return []
+        second = next(batches, None)
+        if second is None or self.concurrency == 1:
+            results: list[EmbedResult] = []
+            rest = itertools.chain([second], batches) if second is not None else batches
+            for start, end in itertools.chain([first], rest):
                 results.extend(self._embed_resilient(list(texts[start:end]), names[start:end]))
             return results
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = [
-                pool.submit(self._embed_resilient, list(texts[start:end]), names[start:end])
-                for start, end in batches
-            ]
-            for future in futures:
-                results.extend(future.result())
-        return results
+        pool = self._shared_pool()
+        futures = [
+            pool.submit(self._embed_resilient, list(texts[start:end]), names[start:end])
+            for start, end in itertools.chain([first, second], batches)
+        ]
+        try:
+            return [result for future in futures for result in future.result()]
+        finally:
+            for future in futures:  # a failed batch abandons the batches not yet started
+                future.cancel()
+
+    def _shared_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.concurrency, thread_name_prefix="quarry-embed"
+                )
+            return self._pool
 
     def _batches(self, texts: Sequence[str]) -> Iterator[tuple[int, int]]:
-        """Index ranges that respect the batch size, the body limit and max_batch_tokens."""
-        max_tokens = self.info.max_batch_tokens
+        """Index ranges that respect the batch size, the body limit and max_batch_tokens.
+
+        Tokens are estimated only when a batch could exceed ``max_batch_tokens``: when
+        ``max_client_batch_size`` inputs of ``max_input_length`` tokens fit in it (TEI's
+        defaults: 32 x 512 = 16384), every batch the service accepts fits in it too.
+        """
+        info = self.info
+        max_tokens = info.max_batch_tokens
+        if (
+            max_tokens is not None
+            and info.max_input_length is not None
+            and self.batch_size * info.max_input_length <= max_tokens
+        ):
+            max_tokens = None
         start, size, tokens = 0, 0, 0
         for index, text in enumerate(texts):
             text_bytes = len(text.encode("utf-8")) + 8
-            text_tokens = _estimate_tokens(text)
+            text_tokens = _estimate_tokens(text) if max_tokens is not None else 0
             full = index - start >= self.batch_size
             too_big = size + text_bytes > MAX_BODY_BYTES
             too_many_tokens = max_tokens is not None and tokens + text_tokens > max_tokens
@@ -297,7 +333,8 @@ class EmbeddingClient:
             yield start, len(texts)
 
     def _embed_resilient(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
-        formatted = [self.profile.format_passage(text) for text in texts]
+        profile = self.profile
+        formatted = [profile.format_passage(text) for text in texts]
         try:
             vectors = self._post_batch(formatted, documents=names)
         except InputTooLong as error:
@@ -381,7 +418,11 @@ class EmbeddingClient:
         return call_with_retries(self._retry, url, attempt, documents=documents)
 
     def close(self) -> None:
-        """Release connections."""
+        """Release connections (and the threads of the shared pool)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
         self._openai.close()
 

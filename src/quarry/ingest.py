@@ -121,6 +121,9 @@ class IndexSync:
         self.fingerprint: Fingerprint | None = None
         self.rechunk_all = False
         self._requests_at_start = 0
+        # What the plans read: the sources scanned and the documents that had points then.
+        self._planned_sources: set[str] = set()
+        self._planned_documents: set[str] = set()
 
     # -- before: fingerprint and plan ----------------------------------------------------
 
@@ -164,6 +167,8 @@ class IndexSync:
         checks again by document once every file has been loaded.
         """
         state = self.store.index_state(spec.name)
+        self._planned_sources.add(spec.name)
+        self._planned_documents.update(state)
         if full_sync and state:
             present = {uri_for(path, spec) for path in discover(spec)}
             stored_files = {_file_uri(doc.uri) for doc in state.values()}
@@ -228,13 +233,26 @@ class IndexSync:
                 result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
                 continue
             try:
-                self.store.delete_stale_chunks(document.doc_id, count)
+                if self._may_have_points(document):
+                    self.store.delete_stale_chunks(document.doc_id, count)
             except QuarryError as error:
                 result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
                 continue
             result.documents_embedded += 1
             result.chunks_embedded += count
         return result
+
+    def _may_have_points(self, document: Document) -> bool:
+        """False only for a document that had no points when this run's plan read its source.
+
+        Such a document has no stale chunks to delete: points left by earlier (even killed)
+        runs were there when the plan read them, and the one-writer lock keeps others out.
+        Skipping the delete matters on a first ingest: in local mode a filtered delete
+        scans the whole collection, once per document.
+        """
+        if document.uri.split("/", 1)[0] not in self._planned_sources:
+            return True
+        return document.doc_id in self._planned_documents
 
     def _embedding_text(self, chunk: Chunk) -> str:
         return self.embedding_text_for(chunk.text, chunk.headings)

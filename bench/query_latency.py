@@ -1,0 +1,519 @@
+"""What the query API costs on top of the work it does: round trip vs. direct calls.
+
+Setup: ``local_tei --backend hash`` with no added latency (a child process), and a
+local-mode collection of 20,000 chunks (SciFact abstracts, chunked and embedded by
+quarry's own ingest code; kept on tmpfs, ``/dev/shm``, where there is one, since
+local mode commits once per point, and reused while it matches).
+
+In the same run, for concurrency 1 and 16, from separate processes:
+
+* **direct**: the embed + search + rerank calls of one query, made with the API's
+  own async clients (``AsyncEmbeddingClient``, ``AsyncStore``, ``AsyncRerankClient``)
+  in a process of their own, no HTTP server in between;
+* **API**: ``POST /v1/query`` round trips against ``quarry api`` (uvicorn, in a child
+  process), sent by a load process (``httpx2``, keep-alive connections).
+
+It prints p50/p95/p99 of both, the overhead (API minus direct) and the ratio, and
+the errors. Target: overhead p50 <= 3 ms and p99 <= 15 ms, no errors. Not a test:
+nothing is asserted; the figures go to ``bench/.out/query_latency.json``.
+
+    .venv/bin/python bench/query_latency.py [--points 20000] [--requests 400]
+
+Local-mode Qdrant admits one process, so the direct phase runs first and closes
+the collection before the API server opens it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import DEFAULT_CORPUS, OUT, log, machine, read_corpus, table, write_result
+from _tei import TEIProcess, TEISettings
+
+ALIAS = "bench"
+API_KEY = "bench-key"
+QUERIES = DEFAULT_CORPUS.parent / "queries.jsonl"
+CONCURRENCY = (1, 16)
+
+
+# -- the collection -------------------------------------------------------------------------
+
+
+def build_collection(data_dir: Path, tei_url: str, points: int) -> int:
+    """A local-mode collection of exactly ``points`` chunks, built by quarry's ingest code.
+
+    Reused when ``data_dir`` already holds one of that size made by the same model.
+    """
+    from quarry._http import NO_WAIT
+    from quarry.chunking import Chunker
+    from quarry.config import Settings
+    from quarry.documents import Document
+    from quarry.embeddings import EmbeddingClient
+    from quarry.fingerprint import read_fingerprint
+    from quarry.ingest import IndexSync, IngestReport
+    from quarry.store import VectorStore, open_client
+
+    class FreshStore(VectorStore):
+        """For a collection built from nothing: no document has stale chunks to delete.
+
+        Skipping that per-document delete matters in local mode, where each one scans
+        every point (thousands of documents x 20k points).
+        """
+
+        def delete_stale_chunks(self, doc_id: str, chunk_count: int) -> None:
+            return None
+
+    settings = Settings(data_dir=data_dir, collection=ALIAS)
+    embedder = EmbeddingClient(tei_url, retry=NO_WAIT)
+    store = VectorStore(open_client(settings), ALIAS)
+    try:
+        if store.exists():
+            stored = store.fingerprint()
+            live = read_fingerprint(embedder)
+            same_model = stored is not None and stored.model_key == live.model_key
+            if same_model and store.count() == points:
+                log(f"reusing the collection of {points:,} chunks in {data_dir}")
+                return points
+        log(f"building a collection of {points:,} chunks in {data_dir} ...")
+        store.close()
+        import shutil
+
+        shutil.rmtree(settings.qdrant_path, ignore_errors=True)
+        store = FreshStore(open_client(settings), ALIAS)
+        chunker = Chunker(64, 8)
+        sync = IndexSync(store, embedder, chunker)
+        sync.prepare(IngestReport(collection=ALIAS))
+        chosen: list[Document] = []
+        total = 0
+        for row in _documents():
+            document = Document.create(
+                f"scifact/{row['id']}.txt", row["text"], row["title"], {"corpus": "scifact"}
+            )
+            count = len(chunker.chunk(document))
+            if total + count > points:
+                continue
+            chosen.append(document)
+            total += count
+            if total == points:
+                break
+        started = time.perf_counter()
+        written = 0
+        for start in range(0, len(chosen), 64):
+            result = sync.write_batch(chosen[start : start + 64])
+            if result.failures:
+                raise RuntimeError(f"ingest failed: {result.failures[:3]}")
+            written += result.chunks_embedded
+        log(
+            f"built {written:,} chunks from {len(chosen):,} documents "
+            f"in {time.perf_counter() - started:.0f}s"
+        )
+        return store.count()
+    finally:
+        store.close()
+        embedder.close()
+
+
+def _documents() -> Any:
+    """SciFact abstracts, then (if the corpus runs out) synthetic paragraphs."""
+    if DEFAULT_CORPUS.exists():
+        yield from read_corpus(DEFAULT_CORPUS, 10**9)
+    words = [
+        "granite",
+        "quarry",
+        "water",
+        "terrace",
+        "cut",
+        "stone",
+        "deep",
+        "metre",
+        "basin",
+        "crane",
+        "rail",
+        "lake",
+    ]
+    for index in range(10**9):
+        text = " ".join(words[(index * 7 + i * 3) % len(words)] for i in range(40 + index % 60))
+        yield {"id": f"synthetic-{index}", "title": "", "text": text + "."}
+
+
+def load_queries(count: int = 400) -> list[str]:
+    """SciFact's claims as queries (short factual questions), else synthetic ones."""
+    if QUERIES.exists():
+        lines = QUERIES.read_text(encoding="utf-8").splitlines()
+        return [json.loads(line)["text"] for line in lines[:count]]
+    return [f"how deep is quarry {i}" for i in range(count)]
+
+
+# -- closed-loop load ---------------------------------------------------------------------------
+
+
+Call = Callable[[str], Awaitable[tuple[bool, float | None]]]
+"""One query: (answered, the time the server says it spent inside, if it says)."""
+
+
+async def closed_loop(
+    call: Call, queries: Sequence[str], concurrency: int, requests: int
+) -> dict[str, Any]:
+    """``concurrency`` workers, each sending its next query as soon as the last one answers."""
+    latencies: list[float] = []
+    inside: list[float] = []
+    errors = 0
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued, errors
+        while issued < requests:
+            query = queries[issued % len(queries)]
+            issued += 1
+            started = time.perf_counter()
+            try:
+                ok, server_ms = await call(query)
+            except Exception as error:  # counted, never hidden
+                log(f"error: {type(error).__name__}: {error}")
+                ok, server_ms = False, None
+            elapsed = (time.perf_counter() - started) * 1000
+            latencies.append(elapsed)
+            if server_ms is not None:
+                inside.append(elapsed - server_ms)
+            errors += 0 if ok else 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return {
+        "latencies_ms": latencies,
+        "outside_ms": inside,
+        "errors": errors,
+        "seconds": elapsed,
+    }
+
+
+async def run_levels(
+    call: Call, queries: Sequence[str], requests: int, warmup: int
+) -> dict[str, Any]:
+    """A warm-up, then each concurrency level in turn."""
+    await closed_loop(call, queries, 4, warmup)
+    out = {}
+    for concurrency in CONCURRENCY:
+        out[str(concurrency)] = await closed_loop(
+            call, queries, concurrency, requests * (1 if concurrency == 1 else 4)
+        )
+    return out
+
+
+# -- child processes ------------------------------------------------------------------------------
+
+
+def child_direct(args: argparse.Namespace) -> None:
+    """The same embed + search + rerank calls as the API makes, with no API in between."""
+    from quarry._async_clients import (
+        AsyncEmbeddingClient,
+        AsyncRerankClient,
+        AsyncStore,
+        open_async_qdrant,
+    )
+    from quarry.config import Settings
+    from quarry.search import rerank_texts
+
+    async def main() -> dict[str, Any]:
+        settings = Settings(data_dir=Path(args.data_dir), collection=ALIAS, embed_url=args.tei)
+        store = AsyncStore(open_async_qdrant(settings), ALIAS)
+        embedder = AsyncEmbeddingClient(args.tei)
+        reranker = AsyncRerankClient(args.tei)
+        task = settings.query_task
+
+        async def one(query: str) -> tuple[bool, float | None]:
+            vector = await embedder.embed_query(query, task=task)
+            hits = await store.search(vector, 50)
+            await reranker.score(query, rerank_texts(hits))
+            return bool(hits), None
+
+        try:
+            return await run_levels(one, load_queries(), args.requests, args.warmup)
+        finally:
+            await embedder.aclose()
+            await reranker.aclose()
+            await store.close()
+
+    Path(args.out).write_text(json.dumps(asyncio.run(main())))
+
+
+def child_serve(args: argparse.Namespace) -> None:
+    """``quarry api`` on the collection, as ``quarry api --port P`` would run it."""
+    from pydantic import SecretStr
+
+    from quarry.api import serve
+    from quarry.config import Settings
+
+    serve(
+        Settings(
+            data_dir=Path(args.data_dir),
+            collection=ALIAS,
+            embed_url=args.tei,
+            api_key=SecretStr(API_KEY),
+        ),
+        "127.0.0.1",
+        args.port,
+    )
+
+
+def child_load(args: argparse.Namespace) -> None:
+    """POST /v1/query round trips, over keep-alive connections."""
+    import httpx2
+
+    async def main() -> dict[str, Any]:
+        limits = httpx2.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx2.AsyncClient(
+            base_url=args.api,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            limits=limits,
+            timeout=60,
+        ) as client:
+
+            async def one(query: str) -> tuple[bool, float | None]:
+                response = await client.post("/v1/query", json={"query": query})
+                if response.status_code != 200:
+                    log(f"HTTP {response.status_code}: {response.text[:200]}")
+                    return False, None
+                # What the server spent inside the query path, to subtract from the round
+                # trip of the same request (noise on a busy machine largely cancels).
+                return True, float(response.json()["timings_ms"]["total"])
+
+            return await run_levels(one, load_queries(), args.requests, args.warmup)
+
+    Path(args.out).write_text(json.dumps(asyncio.run(main())))
+
+
+def _child(command: str, *extra: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            command,
+            "--out",
+            str(out),
+            "--requests",
+            str(args.requests),
+            "--warmup",
+            str(args.warmup),
+            "--levels",
+            args.levels,
+            *extra,
+        ],
+        check=True,
+    )
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def _default_data_dir() -> Path:
+    """On tmpfs when there is one: local-mode Qdrant commits (fsyncs) once per point."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "quarry-bench-query-latency"
+    return OUT / "query_latency-data"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the API server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=10) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("the API server did not become ready")
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    """Percentiles, throughput and errors of one closed-loop run."""
+    import numpy as np
+
+    values = np.array(run["latencies_ms"])
+    summary = {
+        "requests": len(values),
+        "errors": run["errors"],
+        "qps": round(len(values) / run["seconds"], 1),
+        "p50": round(float(np.percentile(values, 50)), 2),
+        "p95": round(float(np.percentile(values, 95)), 2),
+        "p99": round(float(np.percentile(values, 99)), 2),
+    }
+    if run["outside_ms"]:
+        outside = np.array(run["outside_ms"])
+        for q in (50, 95, 99):
+            summary[f"outside_p{q}"] = round(float(np.percentile(outside, q)), 2)
+    return summary
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    """Build the collection, run both phases, print the table, write the JSON."""
+    info = machine()
+    log(f"machine: {info['nproc']} CPUs, {info['cpu']}, load {info['load']}")
+    data_dir = Path(args.data_dir) if args.data_dir else _default_data_dir()
+    tei_settings = TEISettings(latency_ms=0.0, per_token_us=0.0)
+    with TEIProcess(tei_settings) as tei, tempfile.TemporaryDirectory() as scratch:
+        points = build_collection(data_dir, tei.url, args.points)
+        tmp = Path(scratch)
+        log("direct calls (no API) ...")
+        direct = _child(
+            "_direct", "--data-dir", str(data_dir), "--tei", tei.url, out=tmp / "d.json", args=args
+        )
+        port = _free_port()
+        api_url = f"http://127.0.0.1:{port}"
+        log(f"API server at {api_url} ...")
+        OUT.mkdir(parents=True, exist_ok=True)
+        server_log = (OUT / "query_latency-server.log").open("wb")
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "_serve",
+                "--data-dir",
+                str(data_dir),
+                "--tei",
+                tei.url,
+                "--port",
+                str(port),
+            ],
+            stdout=server_log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            _wait_ready(api_url, server)
+            log("API round trips ...")
+            api = _child("_load", "--api", api_url, out=tmp / "a.json", args=args)
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            server_log.close()
+
+    rows = []
+    results: dict[str, Any] = {}
+    for level in map(str, CONCURRENCY):
+        d, a = summarize(direct[level]), summarize(api[level])
+        results[level] = {"direct": d, "api": a}
+        rows.append(
+            [
+                int(level),
+                d["p50"],
+                d["p95"],
+                d["p99"],
+                a["p50"],
+                a["p95"],
+                a["p99"],
+                round(a["p50"] - d["p50"], 2),
+                round(a["p99"] - d["p99"], 2),
+                f"{a['p50'] / d['p50']:.2f}x",
+                f"{a['p99'] / d['p99']:.2f}x",
+                a.get("outside_p50"),
+                a.get("outside_p99"),
+                a["qps"],
+                d["errors"] + a["errors"],
+            ]
+        )
+    print(
+        f"\nquery latency, ms: {points:,} chunks (local-mode Qdrant), local_tei hash "
+        f"{tei_settings.dims}d no added latency, candidates 50 + rerank, top_k 10; "
+        f"{args.requests} requests at c=1, 4x that at higher concurrency; "
+        f"{info['nproc']} CPUs, load {info['load']}\n"
+    )
+    print(
+        table(
+            [
+                "conc",
+                "direct p50",
+                "p95",
+                "p99",
+                "API p50",
+                "p95",
+                "p99",
+                "overhead p50",
+                "overhead p99",
+                "ratio p50",
+                "ratio p99",
+                "paired p50",
+                "paired p99",
+                "API qps",
+                "errors",
+            ],
+            rows,
+        )
+    )
+    print(
+        "\noverhead = API round trip - direct calls at the same percentile; "
+        "paired = round trip - the server's own timings_ms.total, per request (HTTP, "
+        "framework, auth, validation, serialization, logging: the noise of a busy machine "
+        "mostly cancels); target: overhead p50 <= 3 ms, p99 <= 15 ms, no errors."
+    )
+    path = write_result(
+        "query_latency",
+        {
+            "machine": info,
+            "load_after": os.getloadavg(),
+            "points": points,
+            "tei": tei_settings.to_dict(),
+            "requests": args.requests,
+            "results": results,
+        },
+    )
+    log(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``query_latency.py`` (orchestrator) or one of its children (``_direct`` etc.)."""
+    parser = argparse.ArgumentParser(prog="bench/query_latency.py", description=__doc__)
+    parser.add_argument(
+        "role", nargs="?", default="run", choices=["run", "_direct", "_serve", "_load"]
+    )
+    parser.add_argument("--points", type=int, default=20_000)
+    parser.add_argument("--requests", type=int, default=400, help="at c=1; 4x that at c=16")
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument(
+        "--levels", default="1,16", help="concurrency levels, comma-separated (default 1,16)"
+    )
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--tei")
+    parser.add_argument("--api")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    global CONCURRENCY
+    CONCURRENCY = tuple(int(level) for level in args.levels.split(","))
+    {"run": orchestrate, "_direct": child_direct, "_serve": child_serve, "_load": child_load}[
+        args.role
+    ](args)
+
+
+if __name__ == "__main__":
+    main()

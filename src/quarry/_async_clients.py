@@ -1,0 +1,507 @@
+"""Async twins of the service clients, for the query API.
+
+The API is async end to end: :class:`AsyncEmbeddingClient` embeds through
+``openai.AsyncOpenAI`` (or TEI's ``/embed``), :class:`AsyncRerankClient` posts to
+``/rerank`` (or the Cohere-style ``/v1/rerank``) with ``httpx2.AsyncClient``, and
+:class:`AsyncStore` reads Qdrant through ``AsyncQdrantClient``.
+
+They share everything but the I/O with the sync clients: the retry policy
+(:class:`quarry._http.RetryPolicy`, driven by tenacity's ``AsyncRetrying``), the
+status mapping (:func:`quarry._http.raise_for_status`), the response parsing of
+:mod:`quarry.embeddings` and :mod:`quarry.rerank`, the prompt profiles and the
+fingerprint construction. The query path only reads, so the store has no writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+import httpx2
+import openai
+import tenacity
+from qdrant_client import AsyncQdrantClient, models
+
+from quarry._http import RetryPolicy, TransientFailure, raise_for_status
+from quarry.config import DEFAULT_QUERY_TASK, Settings
+from quarry.embeddings import (
+    DEFAULT_BATCH_SIZE,
+    EmbedDialect,
+    ServiceInfo,
+    _decode_openai,
+    bearer_headers,
+)
+from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
+from quarry.fingerprint import CANARY_TEXT, Fingerprint, build_fingerprint
+from quarry.prompts import ProfileName, PromptProfile, profile_for_model
+from quarry.rerank import _HINT, DEFAULT_RERANK_BATCH, RerankDialect, _parse_scores
+from quarry.store import META_FINGERPRINT, CollectionInfo, local_mode_locked
+
+T = TypeVar("T")
+
+# Keep-alive connections per client: enough for the API's concurrency without a new
+# TCP handshake per request.
+_LIMITS = httpx2.Limits(max_connections=256, max_keepalive_connections=64)
+
+
+# -- retries and one exchange ---------------------------------------------------------------
+
+
+def async_retrying(policy: RetryPolicy) -> tenacity.AsyncRetrying:
+    """``policy`` as an async tenacity controller: the same retry, stop and wait rules."""
+    template = policy.retrying()
+    return tenacity.AsyncRetrying(
+        retry=template.retry, stop=template.stop, wait=template.wait, reraise=True
+    )
+
+
+async def acall_with_retries(
+    policy: RetryPolicy,
+    url: str,
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    documents: Sequence[str] = (),
+) -> T:
+    """Await ``attempt`` under ``policy``; a spent budget raises ServiceUnavailable for the url."""
+    try:
+        return await async_retrying(policy)(attempt)
+    except TransientFailure as error:
+        raise ServiceUnavailable(
+            url,
+            f"still failing after retrying for {policy.budget:g}s: {error.args[0]}",
+            status=error.status,
+            documents=documents,
+        ) from error
+
+
+async def asend(
+    client: httpx2.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    json_body: Any = None,
+    dialect_hint: str | None = None,
+) -> httpx2.Response:
+    """One HTTP exchange, with transport errors and 5xx/429 classified as transient."""
+    try:
+        response = await client.request(method, url, json=json_body)
+    except httpx2.TimeoutException as error:
+        raise TransientFailure(url, f"timed out: {error}", status=None, retry_after=None) from error
+    except httpx2.TransportError as error:
+        raise TransientFailure(
+            url, f"cannot connect: {error}", status=None, retry_after=None
+        ) from error
+    raise_for_status(
+        url, response.status_code, response.content, response.headers, dialect_hint=dialect_hint
+    )
+    return response
+
+
+async def arequest_json(
+    client: httpx2.AsyncClient,
+    policy: RetryPolicy,
+    method: str,
+    url: str,
+    *,
+    json_body: Any = None,
+    dialect_hint: str | None = None,
+) -> Any:
+    """Send a request with retries and return its parsed JSON body."""
+
+    async def attempt() -> Any:
+        response = await asend(client, method, url, json_body=json_body, dialect_hint=dialect_hint)
+        try:
+            return response.json()
+        except ValueError as error:
+            raise BadResponse(url, f"answer is not JSON: {response.text[:200]!r}") from error
+
+    return await acall_with_retries(policy, url, attempt)
+
+
+async def afetch_info(
+    client: httpx2.AsyncClient, url: str, policy: RetryPolicy
+) -> dict[str, Any] | None:
+    """GET ``/info``; None when the service has no such route (a gateway, infinity)."""
+    target = f"{url}/info"
+
+    async def attempt() -> dict[str, Any] | None:
+        try:
+            response = await client.get(target)
+        except httpx2.TimeoutException as error:
+            raise TransientFailure(
+                target, f"timed out: {error}", status=None, retry_after=None
+            ) from error
+        except httpx2.TransportError as error:
+            raise TransientFailure(
+                target, f"cannot connect: {error}", status=None, retry_after=None
+            ) from error
+        if response.status_code in (404, 405):
+            return None
+        raise_for_status(target, response.status_code, response.content, response.headers)
+        body = response.json()
+        return body if isinstance(body, dict) else None
+
+    return await acall_with_retries(policy, target, attempt)
+
+
+# -- embedding --------------------------------------------------------------------------------
+
+
+class AsyncEmbeddingClient:
+    """Embeds queries (and the canary) through one service, without blocking the event loop.
+
+    Queries are formatted here by the model's prompt profile, as the sync
+    :class:`quarry.embeddings.EmbeddingClient` does; nothing is split or
+    truncated (an over-long input raises InputTooLong). ``transport`` is for tests.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        transport: httpx2.AsyncBaseTransport | None = None,
+        timeout: float = 60.0,
+        retry: RetryPolicy = RetryPolicy(),
+        prompt_profile: ProfileName | None = None,
+        query_task: str = DEFAULT_QUERY_TASK,
+        dialect: EmbedDialect = "auto",
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry
+        self.query_task = query_task
+        self._model = model
+        self._profile_override = prompt_profile
+        self._dialect = dialect
+        self._http = httpx2.AsyncClient(
+            transport=transport, timeout=timeout, headers=bearer_headers(api_key), limits=_LIMITS
+        )
+        self._openai = openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or "unused",
+            max_retries=0,
+            timeout=timeout,
+            http_client=httpx2.AsyncClient(transport=transport, timeout=timeout, limits=_LIMITS),
+        )
+        self._info: ServiceInfo | None = None
+        self._info_lock = asyncio.Lock()
+
+    async def info(self, *, refresh: bool = False, retry: RetryPolicy | None = None) -> ServiceInfo:
+        """The service's identity and limits, fetched once (again with ``refresh``)."""
+        if self._info is not None and not refresh:
+            return self._info
+        async with self._info_lock:
+            if self._info is None or refresh:
+                self._info = await self._load_info(retry or self.retry)
+            return self._info
+
+    async def _load_info(self, policy: RetryPolicy) -> ServiceInfo:
+        raw = await afetch_info(self._http, self.base_url, policy)
+        if raw is not None and "model_id" in raw:
+            return ServiceInfo.from_tei(self.base_url, raw)
+        model_id = self._model or await self._model_from_listing(policy) or "unknown"
+        return ServiceInfo(url=self.base_url, model_id=model_id)
+
+    async def _model_from_listing(self, policy: RetryPolicy) -> str | None:
+        try:
+            listing = await arequest_json(self._http, policy, "GET", f"{self.base_url}/v1/models")
+        except RequestRejected:
+            return None
+        data = listing.get("data") if isinstance(listing, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            return str(data[0].get("id"))
+        return None
+
+    async def profile(self) -> PromptProfile:
+        """The prompt profile in force (explicit setting, else from the model id)."""
+        return profile_for_model((await self.info()).model_id, self._profile_override)
+
+    @property
+    def dialect(self) -> Literal["tei", "openai"]:
+        """``openai`` (``/v1/embeddings``, every TEI and gateway) unless set to ``tei``."""
+        return "tei" if self._dialect == "tei" else "openai"
+
+    async def embed_query(
+        self, query: str, *, task: str | None = None, retry: RetryPolicy | None = None
+    ) -> list[float]:
+        """Embed a search query formatted by the profile with ``task`` (default: the client's)."""
+        text = (await self.profile()).format_query(query, task or self.query_task)
+        return (await self._post([text], retry or self.retry))[0]
+
+    async def embed_raw(
+        self, texts: Sequence[str], *, retry: RetryPolicy | None = None
+    ) -> list[list[float]]:
+        """Embed texts exactly as given (probes, the canary), one request per batch."""
+        size = (await self.info()).max_client_batch_size or DEFAULT_BATCH_SIZE
+        out: list[list[float]] = []
+        for start in range(0, len(texts), size):
+            out.extend(await self._post(list(texts[start : start + size]), retry or self.retry))
+        return out
+
+    async def read_fingerprint(self, *, retry: RetryPolicy | None = None) -> Fingerprint:
+        """The live service's fingerprint, read afresh: ``/info`` plus the canary vector."""
+        info = await self.info(refresh=True, retry=retry)
+        profile = profile_for_model(info.model_id, self._profile_override)
+        canary = (await self.embed_raw([profile.format_passage(CANARY_TEXT)], retry=retry))[0]
+        return build_fingerprint(info, canary, profile.name, self.query_task)
+
+    async def _post(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+        if self.dialect == "tei":
+            return await self._post_tei(texts, policy)
+        return await self._post_openai(texts, policy)
+
+    async def _post_tei(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+        url = f"{self.base_url}/embed"
+        body = await arequest_json(
+            self._http,
+            policy,
+            "POST",
+            url,
+            json_body={"inputs": texts, "truncate": False, "normalize": True},
+        )
+        if not isinstance(body, list) or len(body) != len(texts):
+            raise BadResponse(url, f"expected {len(texts)} embeddings")
+        return [list(map(float, row)) for row in body]
+
+    async def _post_openai(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+        url = f"{self.base_url}/v1/embeddings"
+        model = self._model or (await self.info()).model_id
+
+        async def attempt() -> list[list[float]]:
+            try:
+                response = await self._openai.embeddings.with_raw_response.create(
+                    model=model, input=texts, encoding_format="base64"
+                )
+            except openai.APITimeoutError as error:
+                raise TransientFailure(
+                    url, f"timed out: {error}", status=None, retry_after=None
+                ) from error
+            except openai.APIConnectionError as error:
+                raise TransientFailure(
+                    url, f"cannot connect: {error}", status=None, retry_after=None
+                ) from error
+            except openai.APIStatusError as error:
+                raise_for_status(
+                    url, error.status_code, error.response.content, error.response.headers
+                )
+                raise
+            return _decode_openai(url, response.http_response.json(), len(texts), ())
+
+        return await acall_with_retries(policy, url, attempt)
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        await self._http.aclose()
+        await self._openai.close()
+
+
+# -- rerank ----------------------------------------------------------------------------------
+
+
+class AsyncRerankClient:
+    """Scores (query, passage) pairs through a reranking service, batches in parallel.
+
+    Like the sync :class:`quarry.rerank.RerankClient`: batches of at most the
+    service's ``max_client_batch_size``, and a passage too long for the reranker is
+    split and scored by its best part, never truncated.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        transport: httpx2.AsyncBaseTransport | None = None,
+        timeout: float = 60.0,
+        retry: RetryPolicy = RetryPolicy(),
+        dialect: RerankDialect = "auto",
+        batch_size: int | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry
+        self._dialect = dialect
+        self._batch_size = batch_size
+        self._model = model
+        self._http = httpx2.AsyncClient(
+            transport=transport, timeout=timeout, headers=bearer_headers(api_key), limits=_LIMITS
+        )
+        self._info: ServiceInfo | None = None
+        self._info_loaded = False
+        self._lock = asyncio.Lock()
+
+    async def info(self, *, retry: RetryPolicy | None = None) -> ServiceInfo | None:
+        """TEI ``/info`` of the reranker (fetched once), or None when it has none."""
+        if self._info_loaded:
+            return self._info
+        async with self._lock:
+            if not self._info_loaded:
+                raw = await afetch_info(self._http, self.base_url, retry or self.retry)
+                if raw is not None and "model_id" in raw:
+                    self._info = ServiceInfo.from_tei(self.base_url, raw)
+                self._info_loaded = True
+            return self._info
+
+    async def dialect(self) -> Literal["tei", "cohere"]:
+        """The API in use: as set, else TEI when ``/info`` answers, else Cohere-style."""
+        if self._dialect != "auto":
+            return self._dialect
+        return "tei" if await self.info() is not None else "cohere"
+
+    async def batch_size(self) -> int:
+        """Texts per request (rerank texts count against ``max_client_batch_size``)."""
+        info = await self.info()
+        limit = (info.max_client_batch_size if info else None) or DEFAULT_RERANK_BATCH
+        return min(limit, self._batch_size) if self._batch_size else limit
+
+    async def probe(self, *, retry: RetryPolicy | None = None) -> None:
+        """Check that the reranker answers: one tiny scoring request."""
+        await self._post("ping", ["ping"], retry or self.retry)
+
+    async def score(
+        self, query: str, texts: Sequence[str], *, retry: RetryPolicy | None = None
+    ) -> list[float]:
+        """One relevance score per text, in the order given; batches are sent concurrently."""
+        policy = retry or self.retry
+        size = await self.batch_size()
+        batches = [list(texts[start : start + size]) for start in range(0, len(texts), size)]
+        if len(batches) == 1:
+            return await self._score_resilient(query, batches[0], policy)
+        parts = await asyncio.gather(
+            *(self._score_resilient(query, batch, policy) for batch in batches)
+        )
+        return [score for part in parts for score in part]
+
+    async def _score_resilient(
+        self, query: str, texts: list[str], policy: RetryPolicy
+    ) -> list[float]:
+        try:
+            return await self._post(query, texts, policy)
+        except InputTooLong as error:
+            if len(texts) > 1:
+                middle = len(texts) // 2
+                return await self._score_resilient(
+                    query, texts[:middle], policy
+                ) + await self._score_resilient(query, texts[middle:], policy)
+            return [await self._score_split(query, texts[0], error, policy)]
+
+    async def _score_split(
+        self, query: str, text: str, error: InputTooLong, policy: RetryPolicy
+    ) -> float:
+        from quarry.chunking import split_in_two
+
+        if len(text) < 2:
+            raise error
+        return max(
+            [(await self._score_resilient(query, [part], policy))[0] for part in split_in_two(text)]
+        )
+
+    async def _post(self, query: str, texts: list[str], policy: RetryPolicy) -> list[float]:
+        if not texts:
+            return []
+        dialect = await self.dialect()
+        if dialect == "tei":
+            url = f"{self.base_url}/rerank"
+            body: dict[str, Any] = {
+                "query": query,
+                "texts": texts,
+                "truncate": False,
+                "raw_scores": False,
+            }
+        else:
+            url = f"{self.base_url}/v1/rerank"
+            body = {"query": query, "documents": texts, "top_n": len(texts)}
+            if self._model:
+                body["model"] = self._model
+        answer = await arequest_json(
+            self._http, policy, "POST", url, json_body=body, dialect_hint=_HINT[dialect]
+        )
+        return _parse_scores(url, answer, len(texts))
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        await self._http.aclose()
+
+
+# -- Qdrant (read side) -----------------------------------------------------------------------
+
+
+def open_async_qdrant(settings: Settings) -> AsyncQdrantClient:
+    """An async Qdrant client: a server when ``QUARRY_QDRANT_URL`` is set, else local mode.
+
+    Local mode admits one process: a folder another process holds raises StoreLocked.
+    """
+    if settings.qdrant_url:
+        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
+        return AsyncQdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
+    settings.qdrant_path.mkdir(parents=True, exist_ok=True)
+    try:
+        return AsyncQdrantClient(path=str(settings.qdrant_path))
+    except RuntimeError as error:
+        if "already accessed" in str(error):
+            raise local_mode_locked(settings) from error
+        raise
+
+
+class AsyncStore:
+    """What the query path reads from Qdrant for one alias."""
+
+    def __init__(self, client: AsyncQdrantClient, alias: str) -> None:
+        self.client = client
+        self.alias = alias
+
+    async def resolve(self) -> str | None:
+        """The physical collection behind the alias, or None when there is none."""
+        for alias in (await self.client.get_aliases()).aliases:
+            if alias.alias_name == self.alias:
+                return alias.collection_name
+        return None
+
+    async def metadata(self, physical: str) -> dict[str, Any]:
+        """A physical collection's metadata (empty when it has none)."""
+        return dict((await self.client.get_collection(physical)).config.metadata or {})
+
+    async def search(
+        self, vector: Sequence[float], limit: int, query_filter: models.Filter | None = None
+    ) -> list[models.ScoredPoint]:
+        """Nearest points by cosine, searched through the alias (Qdrant resolves it)."""
+        response = await self.client.query_points(
+            self.alias,
+            query=list(vector),
+            limit=limit,
+            query_filter=query_filter,
+            with_payload=True,
+        )
+        return response.points
+
+    async def collections(self) -> list[CollectionInfo]:
+        """Every physical collection that belongs to this alias, newest first."""
+        aliases: dict[str, list[str]] = {}
+        for alias in (await self.client.get_aliases()).aliases:
+            aliases.setdefault(alias.collection_name, []).append(alias.alias_name)
+        found: list[CollectionInfo] = []
+        for description in (await self.client.get_collections()).collections:
+            name = description.name
+            if not name.startswith(f"{self.alias}__") and self.alias not in aliases.get(name, []):
+                continue
+            found.append(
+                CollectionInfo(
+                    name=name,
+                    aliases=tuple(aliases.get(name, [])),
+                    points=(await self.client.count(name, exact=True)).count,
+                    metadata=await self.metadata(name),
+                )
+            )
+        return sorted(found, key=lambda info: info.name.rsplit("__", 1)[-1], reverse=True)
+
+    async def close(self) -> None:
+        """Close the client (releases local mode's folder lock)."""
+        await self.client.close()
+
+
+def stored_fingerprint(metadata: Mapping[str, Any]) -> Fingerprint | None:
+    """The fingerprint in a collection's metadata, or None for one quarry did not create."""
+    data = metadata.get(META_FINGERPRINT)
+    return Fingerprint.from_metadata(data) if data else None

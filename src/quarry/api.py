@@ -1,0 +1,1239 @@
+"""The query API for applications: FastAPI, async end to end.
+
+``create_app(settings)`` builds the app; its lifespan builds the clients from
+Settings once (``AsyncOpenAI`` for embeddings, ``httpx2`` for rerank,
+``AsyncQdrantClient`` for the index) and closes them on shutdown. With no
+``QUARRY_EMBED_URL`` it starts :mod:`quarry.local_tei` in-process, as the CLI does.
+``serve(settings, host, port)`` runs it under uvicorn, and refuses a non-loopback
+address without an API key unless ``QUARRY_API_AUTH=disabled``.
+
+Routes: ``POST /v1/query``, ``GET /v1/collections`` (both behind
+``Authorization: Bearer <QUARRY_API_KEY>`` when a key is set), ``GET /healthz``
+(alive) and ``GET /readyz`` (dependencies reachable, fingerprint compatible).
+
+The query path is :mod:`quarry.search`'s: the same filter, result building,
+threshold and collapse. The index's fingerprint is checked against the live
+embedding service at startup (and on every ``/readyz``), and the verdict is
+cached: a mismatch answers 409 naming both models, never results.
+
+Every non-2xx answer has one shape, ``{"error": {"type", "message",
+"request_id", ...}}``, and every response an ``X-Request-ID`` header (the
+caller's, when it sends a sane one), which the log lines carry too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+import uvicorn
+from fastapi import Body, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
+from qdrant_client import models
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quarry import __version__
+from quarry._async_clients import (
+    AsyncEmbeddingClient,
+    AsyncRerankClient,
+    AsyncStore,
+    open_async_qdrant,
+    stored_fingerprint,
+)
+from quarry._http import RetryPolicy
+from quarry.config import Settings
+from quarry.errors import (
+    CanaryMismatch,
+    ConfigError,
+    FingerprintMismatch,
+    InputTooLong,
+    QuarryError,
+    Refused,
+    ServiceError,
+    ServingChanged,
+)
+from quarry.fingerprint import Fingerprint
+from quarry.search import (
+    Collapse,
+    RerankOutcome,
+    SearchFilter,
+    model_summary,
+    rank_results,
+    rerank_fallback_warning,
+    rerank_texts,
+    score_threshold,
+    verify_fingerprint,
+)
+from quarry.services import retry_policy, start_local_tei_if_needed
+
+__all__ = ["check_bind_address", "create_app", "serve"]
+
+logger = logging.getLogger("quarry.api")
+
+T = TypeVar("T")
+
+REQUEST_ID_HEADER = "X-Request-ID"
+# An incoming request id is echoed only when it is short and plain (it goes into logs).
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_current_request_id: ContextVar[str] = ContextVar("quarry_request_id", default="-")
+
+MAX_QUERY_CHARS = 65_536
+"""A hard cap on the query text, before any token counting (even with ``truncate``)."""
+READY_TIMEOUT_S = 5.0
+"""How long ``/readyz`` waits for each dependency."""
+_PROBE = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
+"""One attempt, no retry: for readiness probes, which must answer fast."""
+_RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
+_EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
+
+
+# -- request and response bodies --------------------------------------------------------------
+
+MetadataKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+MetadataValue = (
+    Annotated[str, StringConstraints(max_length=1024)]
+    | StrictBool
+    | Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+)
+DocId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class QueryFilter(BaseModel):
+    """Restrict the candidates; every given condition must hold."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    uri_prefix: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="A document uri or a folder of them, e.g. `docs/guides`.",
+    )
+    doc_ids: list[DocId] | None = Field(
+        None, min_length=1, max_length=1000, description="Only these documents."
+    )
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        None,
+        max_length=32,
+        description="Exact matches on document metadata (string, integer or boolean values).",
+    )
+
+
+_QUERY_EXAMPLE: dict[str, Any] = {
+    "query": "How do I rotate the API keys?",
+    "top_k": 5,
+    "filter": {"uri_prefix": "docs/operations"},
+}
+
+
+class QueryRequest(BaseModel):
+    """A question and how to answer it."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_extra={"examples": [_QUERY_EXAMPLE]}
+    )
+
+    query: str = Field(
+        min_length=1,
+        max_length=MAX_QUERY_CHARS,
+        description="The question: not blank, at most QUARRY_MAX_QUERY_TOKENS tokens "
+        "unless `truncate`.",
+    )
+    top_k: int = Field(10, ge=1, le=100, description="Passages to return.")
+    candidates: int = Field(
+        50, ge=1, le=1000, description="Vector candidates fetched before reranking."
+    )
+    filter: QueryFilter | None = None
+    rerank: bool = Field(True, description="Rerank the candidates (else vector scores only).")
+    threshold: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="Drop results scoring under this. Default for reranked answers: "
+        "QUARRY_RERANK_THRESHOLD; vector-only answers are cut only when this is given.",
+    )
+    collapse: Collapse = Field("none", description="`doc`: keep each document's best passage.")
+    truncate: bool = Field(
+        False,
+        description="Cut a query over the token limit instead of refusing it; the answer "
+        "then says `truncated: true`.",
+    )
+
+    # Not a schema `pattern`: generating long strings that match one is very slow for
+    # schema-driven fuzzers, and the rule is simple.
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, query: str) -> str:
+        if not query.strip():
+            raise ValueError("must contain something other than whitespace")
+        return query
+
+
+class Passage(BaseModel):
+    """One passage of an answer, best first."""
+
+    text: str
+    score: float = Field(description="The rerank score when reranked, else the vector score.")
+    vector_score: float
+    rerank_score: float | None
+    doc_id: str
+    uri: str
+    chunk_index: int
+    headings: list[str]
+    title: str
+    metadata: dict[str, Any]
+
+
+class ModelRef(BaseModel):
+    """The model that built the index (and embedded the query)."""
+
+    model_id: str
+    model_key: str
+
+
+class QueryResponse(BaseModel):
+    """The answer to one query."""
+
+    results: list[Passage]
+    model: ModelRef
+    reranked: bool = Field(description="False when rerank was off or the reranker was down.")
+    truncated: bool = Field(description="True when the query was cut to fit (`truncate`).")
+    warnings: list[str]
+    timings_ms: dict[str, float]
+
+
+class ErrorInfo(BaseModel):
+    """What went wrong."""
+
+    type: str = Field(description="A stable machine-readable kind, e.g. `invalid_request`.")
+    message: str
+    request_id: str
+    dependency: str | None = Field(None, description="For 503s: the dependency that failed.")
+    details: list[dict[str, Any]] | None = Field(None, description="Per-field validation errors.")
+
+
+class ErrorBody(BaseModel):
+    """The one shape of every non-2xx answer."""
+
+    error: ErrorInfo
+
+
+class Check(BaseModel):
+    """One readiness check."""
+
+    ok: bool
+    detail: str
+
+
+class ReadyBody(BaseModel):
+    """Everything the API needs answers."""
+
+    status: Literal["ready"]
+    checks: dict[str, Check]
+
+
+class NotReadyBody(ErrorBody):
+    """Something the API needs does not answer, or the index does not match the model."""
+
+    checks: dict[str, Check]
+
+
+class Health(BaseModel):
+    """The process is alive."""
+
+    status: Literal["ok"]
+
+
+class CollectionEntry(BaseModel):
+    """A physical collection of the alias."""
+
+    name: str
+    aliases: list[str]
+    active: bool = Field(description="The alias points at it: queries read it.")
+    points: int
+    model: ModelRef | None
+    created_at: str | None
+
+
+class CollectionList(BaseModel):
+    """The physical collections behind the configured alias, newest first."""
+
+    alias: str
+    collections: list[CollectionEntry]
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An answer other than 2xx, in the one error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        *,
+        dependency: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.dependency = dependency
+        self.headers = dict(headers or {})
+
+
+def _dependency_down(dependency: str, error: BaseException) -> ApiError:
+    reason = _reason(error)
+    logger.warning(
+        "request_id=%s %s failed: %s", _current_request_id.get(), dependency, str(error) or reason
+    )
+    return ApiError(
+        503, "dependency_unavailable", f"{dependency} unavailable: {reason}", dependency=dependency
+    )
+
+
+def _reason(error: BaseException) -> str:
+    """An error's message without the internal URL that service errors start with."""
+    text = str(error) or type(error).__name__
+    if isinstance(error, ServiceError):
+        text = text.removeprefix(f"{error.url}: ")
+    return text[:500]
+
+
+_REFUSAL_KIND: dict[type[Refused], str] = {
+    FingerprintMismatch: "fingerprint_mismatch",
+    ServingChanged: "serving_changed",
+    CanaryMismatch: "canary_mismatch",
+}
+
+
+def _refusal(error: Refused) -> ApiError:
+    return ApiError(409, _REFUSAL_KIND.get(type(error), "refused"), str(error))
+
+
+def error_body(
+    status: int,
+    kind: str,
+    message: str,
+    request_id: str,
+    *,
+    dependency: str | None = None,
+    details: Sequence[Mapping[str, Any]] | None = None,
+    headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> JSONResponse:
+    """A response in the one error shape."""
+    info: dict[str, Any] = {"type": kind, "message": message, "request_id": request_id}
+    if dependency is not None:
+        info["dependency"] = dependency
+    if details is not None:
+        info["details"] = list(details)
+    return JSONResponse({"error": info, **(extra or {})}, status_code=status, headers=headers)
+
+
+def _request_id(request: Request) -> str:
+    return str(request.scope.get("quarry.request_id") or _current_request_id.get())
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_body(
+        exc.status,
+        exc.kind,
+        exc.message,
+        _request_id(request),
+        dependency=exc.dependency,
+        headers=exc.headers,
+    )
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    details = [
+        {
+            "loc": [str(part) for part in error.get("loc", ())],
+            "msg": str(error.get("msg", "")),
+            "type": str(error.get("type", "")),
+        }
+        for error in exc.errors()
+    ]
+    first = details[0] if details else {"loc": [], "msg": "invalid request"}
+    where = ".".join(part for part in first["loc"] if part != "body") or "body"
+    return error_body(
+        422,
+        "invalid_request",
+        f"{where}: {first['msg']}",
+        _request_id(request),
+        details=details,
+    )
+
+
+_HTTP_KINDS = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it cannot even decode (not UTF-8): bad input, so 422.
+        return error_body(422, "invalid_request", f"body: {exc.detail}", _request_id(request))
+    return error_body(
+        exc.status_code,
+        _HTTP_KINDS.get(exc.status_code, "http_error"),
+        str(exc.detail),
+        _request_id(request),
+        headers=exc.headers,
+    )
+
+
+async def _on_quarry_error(request: Request, exc: Exception) -> Response:
+    # A safety net: the routes map quarry's errors themselves, naming the dependency.
+    assert isinstance(exc, QuarryError)
+    if isinstance(exc, Refused):
+        mapped = _refusal(exc)
+    else:
+        mapped = ApiError(503, "dependency_unavailable", _reason(exc))
+    return await _on_api_error(request, mapped)
+
+
+# -- request ids, logging, last-resort errors -------------------------------------------------
+
+
+class RequestContext:
+    """Pure ASGI middleware: request id, one log line per request, no stack trace ever sent.
+
+    Also turns a failed startup caused by a QuarryError (a locked local-mode Qdrant)
+    into one clear line for the server's log instead of a traceback.
+    """
+
+    def __init__(self, app: ASGIApp, *, owner: FastAPI) -> None:
+        self.app = app
+        self.owner = owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Handle one ASGI connection."""
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, self._lifespan_send(send))
+            return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _incoming_request_id(scope) or uuid.uuid4().hex
+        scope["quarry.request_id"] = request_id
+        token = _current_request_id.set(request_id)
+        started = time.perf_counter()
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request_id=%s unhandled error", request_id)
+            if status:
+                raise
+            response = error_body(
+                500,
+                "internal_error",
+                f"internal error; the server log has the details under request id {request_id}",
+                request_id,
+            )
+            await response(scope, receive, send_with_id)
+        finally:
+            path = scope.get("raw_path") or scope["path"].encode()
+            logger.info(
+                "request_id=%s %s %s %d %.1fms",
+                request_id,
+                scope["method"],
+                path.decode("latin-1"),
+                status,
+                (time.perf_counter() - started) * 1000,
+            )
+            _current_request_id.reset(token)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def lifespan_send(message: Message) -> None:
+            error = getattr(self.owner.state, "startup_error", None)
+            if message["type"] == "lifespan.startup.failed" and isinstance(error, QuarryError):
+                message = {**message, "message": f"quarry api cannot start: {error}"}
+            await send(message)
+
+        return lifespan_send
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _SANE_REQUEST_ID.fullmatch(text) else None
+    return None
+
+
+# -- the query service ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    kind: type[Refused]
+    message: str
+
+
+class QueryService:
+    """The API's query path over the async clients; one per app, built in the lifespan."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: AsyncStore,
+        embedder: AsyncEmbeddingClient,
+        reranker: AsyncRerankClient,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.embedder = embedder
+        self.reranker = reranker
+        self._verified: Fingerprint | None = None
+        self._refused: _Refusal | None = None
+        self._lock = asyncio.Lock()
+
+    # -- the fingerprint verdict, cached ---------------------------------------------------
+
+    async def fingerprint(self) -> Fingerprint:
+        """The verified fingerprint of the index; checked once, then cached.
+
+        Raises ApiError: 409 when the live model did not build the index, 503 when
+        Qdrant or the embedding service cannot be asked.
+        """
+        verified = self._verified
+        if verified is not None:
+            return verified
+        async with self._lock:
+            if self._verified is None and self._refused is None:
+                await self.verify()
+            if self._refused is not None:
+                raise _refusal(self._refused.kind(self._refused.message))
+            assert self._verified is not None
+            return self._verified
+
+    async def verify(self, retry: RetryPolicy | None = None) -> Fingerprint:
+        """Read the stored and the live fingerprints afresh and judge them (updates the cache)."""
+        stored = await self._stored()
+        live = await self._call(_EMBEDDING, self.embedder.read_fingerprint(retry=retry))
+        return self._judge(stored, live)
+
+    async def _stored(self) -> tuple[Fingerprint | None, dict[str, Any]]:
+        physical = await self._call(_QDRANT, self.store.resolve())
+        if physical is None:
+            raise ApiError(
+                503,
+                "collection_not_found",
+                f"collection {self.store.alias!r} does not exist yet; run `quarry ingest PATH`",
+                dependency=_QDRANT,
+            )
+        metadata = await self._call(_QDRANT, self.store.metadata(physical))
+        return stored_fingerprint(metadata), metadata
+
+    def _judge(
+        self, stored: tuple[Fingerprint | None, dict[str, Any]], live: Fingerprint
+    ) -> Fingerprint:
+        fingerprint, metadata = stored
+        try:
+            verified = verify_fingerprint(
+                fingerprint,
+                live,
+                metadata,
+                collection=self.store.alias,
+                allow_serving_change=self.settings.allow_serving_change,
+                canary_min_cosine=self.settings.canary_min_cosine,
+            )
+        except Refused as error:
+            refusal = _Refusal(type(error), str(error))
+            if refusal != self._refused:  # once per change, not once per readiness probe
+                logger.error("quarry api refuses to answer queries: %s", error)
+            self._verified, self._refused = None, refusal
+            raise _refusal(error) from None
+        if self._refused is not None:
+            logger.info("quarry api: the embedding service matches the index again")
+        self._verified, self._refused = verified, None
+        return verified
+
+    async def warm_up(self) -> None:
+        """Check the fingerprint at startup; a failure is logged and left to /readyz."""
+        budget = min(self.settings.retry_budget, 5.0)
+        try:
+            await self.verify(RetryPolicy(budget=budget))
+        except ApiError as error:
+            logger.warning("quarry api: startup check: %s", error.message)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    async def query(self, body: QueryRequest) -> tuple[QueryResponse, dict[str, str]]:
+        """Answer one query; also returns the response headers to add (warnings)."""
+        started = time.perf_counter()
+        text, truncated = self._fit_query(body.query, body.truncate)
+        fingerprint = await self.fingerprint()
+        timings: dict[str, float] = {}
+
+        mark = time.perf_counter()
+        text, vector, cut = await self._embed(text, body.truncate, fingerprint.query_task or None)
+        truncated = truncated or cut
+        timings["embed"] = _ms_since(mark)
+
+        mark = time.perf_counter()
+        query_filter = _to_search_filter(body.filter)
+        hits = await self._call(
+            _QDRANT, self.store.search(vector, max(body.candidates, body.top_k), query_filter)
+        )
+        timings["search"] = _ms_since(mark)
+
+        warnings: list[str] = []
+        headers: dict[str, str] = {}
+        scores: list[float] | None = None
+        outcome: RerankOutcome = "skipped"
+        if body.rerank and hits:
+            mark = time.perf_counter()
+            try:
+                scores = await self.reranker.score(text, rerank_texts(hits))
+                outcome = "reranked"
+            except _DEPENDENCY_ERRORS as error:
+                if self.settings.rerank_required:
+                    raise _dependency_down(_RERANKER, error) from None
+                logger.warning(
+                    "request_id=%s reranker failed, answering from vector scores: %s",
+                    _current_request_id.get(),
+                    error,
+                )
+                warnings.append(rerank_fallback_warning(_reason(error)))
+                headers["Warning"] = _RERANK_WARNING
+                outcome = "failed"
+            timings["rerank"] = _ms_since(mark)
+
+        results = rank_results(
+            hits,
+            scores,
+            threshold=score_threshold(outcome, body.threshold, self.settings.rerank_threshold),
+            collapse=body.collapse,
+            top_k=body.top_k,
+        )
+        timings["total"] = _ms_since(started)
+        response = QueryResponse(
+            results=[Passage.model_validate(result, from_attributes=True) for result in results],
+            model=ModelRef(**model_summary(fingerprint)),
+            reranked=outcome == "reranked",
+            truncated=truncated,
+            warnings=warnings,
+            timings_ms=timings,
+        )
+        return response, headers
+
+    def _fit_query(self, query: str, truncate: bool) -> tuple[str, bool]:
+        """The query within QUARRY_MAX_QUERY_TOKENS: as is, cut (``truncate``), or a 422."""
+        from quarry.chunking import count_tokens
+
+        limit = self.settings.max_query_tokens
+        tokens = count_tokens(query)
+        if tokens <= limit:
+            return query, False
+        if not truncate:
+            raise ApiError(
+                422,
+                "query_too_long",
+                f"the query is {tokens} tokens, over the limit of {limit} "
+                '(QUARRY_MAX_QUERY_TOKENS); shorten it, or send "truncate": true to cut it',
+            )
+        return _cut_to_tokens(query, limit), True
+
+    async def _embed(
+        self, text: str, truncate: bool, task: str | None
+    ) -> tuple[str, list[float], bool]:
+        """Embed the query; an over-long one is refused (422) or, with ``truncate``, cut to fit."""
+        from quarry.chunking import count_tokens
+
+        truncated = False
+        for _attempt in range(4):
+            try:
+                vector = await self._call(
+                    _EMBEDDING, self.embedder.embed_query(text, task=task), query_input=True
+                )
+            except _TooLong as error:
+                info = await self._call(_EMBEDDING, self.embedder.info())
+                limit = info.max_input_length
+                if not truncate:
+                    raise ApiError(
+                        422,
+                        "query_too_long",
+                        "the query is longer than the embedding model accepts"
+                        + (f" ({limit} tokens)" if limit else "")
+                        + f': {error.reason}; shorten it, or send "truncate": true to cut it',
+                    ) from None
+                tokens = count_tokens(text)
+                target = tokens // 2
+                if limit and not truncated:
+                    profile = await self.embedder.profile()
+                    overhead = count_tokens(
+                        profile.format_query("", task or self.embedder.query_task)
+                    )
+                    # tiktoken and the model's tokenizer differ: leave a wide margin.
+                    target = min(tokens - 1, int(limit * 0.75) - overhead)
+                if target < 1:
+                    break
+                text, truncated = _cut_to_tokens(text, target), True
+            else:
+                return text, vector, truncated
+        raise ApiError(
+            422,
+            "query_too_long",
+            "the query cannot be cut to fit the embedding model's input limit",
+        )
+
+    async def _call(
+        self, dependency: str, awaitable: Awaitable[T], *, query_input: bool = False
+    ) -> T:
+        """Await a dependency; its failures become a 503 naming it.
+
+        With ``query_input``, InputTooLong (the client's query is too long for the
+        model) becomes ``_TooLong`` instead: the client's fault, not the service's.
+        """
+        try:
+            return await awaitable
+        except InputTooLong as error:
+            if not query_input:
+                raise _dependency_down(dependency, error) from None
+            raise _TooLong(_reason(error)) from None
+        except ApiError:
+            raise
+        except Exception as error:
+            if dependency != _QDRANT and not isinstance(error, _DEPENDENCY_ERRORS):
+                raise
+            raise _dependency_down(dependency, error) from None
+
+    # -- readiness and listing -------------------------------------------------------------
+
+    async def readiness(self) -> dict[str, Check]:
+        """Probe Qdrant, the embedding service and the reranker at once, then the fingerprint."""
+
+        async def probe(awaitable: Awaitable[T]) -> T | BaseException:
+            try:
+                return await asyncio.wait_for(awaitable, READY_TIMEOUT_S)
+            except TimeoutError:
+                return TimeoutError(f"no answer within {READY_TIMEOUT_S:g}s")
+            except Exception as error:
+                return error
+
+        stored, live, reranker = await asyncio.gather(
+            probe(self._stored()),
+            probe(self.embedder.read_fingerprint(retry=_PROBE)),
+            probe(self.reranker.probe(retry=_PROBE)),
+        )
+        checks: dict[str, Check] = {}
+        if isinstance(stored, BaseException):
+            checks["qdrant"] = Check(ok=False, detail=_check_detail(stored))
+        else:
+            checks["qdrant"] = Check(ok=True, detail=f"collection {self.store.alias!r} found")
+        if isinstance(live, BaseException):
+            checks["embedding"] = Check(ok=False, detail=_check_detail(live))
+        else:
+            checks["embedding"] = Check(ok=True, detail=live.model.describe())
+        if isinstance(reranker, BaseException):
+            checks["reranker"] = Check(ok=False, detail=_check_detail(reranker))
+        else:
+            checks["reranker"] = Check(ok=True, detail="answers")
+        if isinstance(stored, BaseException) or isinstance(live, BaseException):
+            checks["fingerprint"] = Check(ok=False, detail="not checked: a dependency is down")
+        else:
+            try:
+                verified = self._judge(stored, live)
+            except ApiError as error:
+                checks["fingerprint"] = Check(ok=False, detail=error.message)
+            else:
+                checks["fingerprint"] = Check(
+                    ok=True, detail=f"compatible with {verified.model.describe()}"
+                )
+        return checks
+
+    async def collections(self) -> CollectionList:
+        """The alias's physical collections, with the model that built each."""
+        found = await self._call(_QDRANT, self.store.collections())
+        entries = []
+        for info in found:
+            fingerprint = stored_fingerprint(info.metadata)
+            entries.append(
+                CollectionEntry(
+                    name=info.name,
+                    aliases=list(info.aliases),
+                    active=self.store.alias in info.aliases,
+                    points=info.points,
+                    model=ModelRef(**model_summary(fingerprint)) if fingerprint else None,
+                    created_at=fingerprint.created_at if fingerprint else None,
+                )
+            )
+        return CollectionList(alias=self.store.alias, collections=entries)
+
+
+class _TooLong(Exception):
+    """The embedding service found the query over its max_input_length."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# A misbehaving service can also fail parsing (a missing key, a wrong type).
+_DEPENDENCY_ERRORS = (ServiceError, KeyError, TypeError, ValueError, IndexError)
+
+
+def _check_detail(error: BaseException) -> str:
+    if isinstance(error, ApiError):
+        return error.message
+    return _reason(error)
+
+
+def _to_search_filter(spec: QueryFilter | None) -> models.Filter | None:
+    if spec is None:
+        return None
+    return SearchFilter(
+        uri_prefix=spec.uri_prefix, doc_ids=spec.doc_ids, metadata=spec.metadata
+    ).to_qdrant()
+
+
+def _cut_to_tokens(text: str, limit: int) -> str:
+    """The longest prefix of ``text`` within ``limit`` tokens (cl100k), re-counted to be sure."""
+    from quarry.chunking import count_tokens, get_encoding
+
+    ids = get_encoding().encode_ordinary(text)
+    if len(ids) <= limit:
+        return text
+    cut = get_encoding().decode_bytes(ids[:limit]).decode("utf-8", "ignore")
+    while cut and count_tokens(cut) > limit:
+        cut = cut[:-1]
+    cut = cut.rstrip()
+    if not cut.strip():
+        raise ApiError(422, "query_too_long", f"nothing of the query is left within {limit} tokens")
+    return cut
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+# -- dependencies (FastAPI) -------------------------------------------------------------------
+
+
+# The dependencies are ``async def`` although they do no I/O: FastAPI runs a plain
+# ``def`` dependency in its thread pool, a thread hop per request for nothing.
+
+
+async def app_settings(request: Request) -> Settings:
+    """The app's Settings (given to :func:`create_app`)."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+async def get_query_service(request: Request) -> QueryService:
+    """The QueryService the lifespan built."""
+    service = getattr(request.state, "query_service", None)
+    if not isinstance(service, QueryService):
+        raise ApiError(503, "not_started", "the API has not finished starting")
+    return service
+
+
+SettingsDep = Annotated[Settings, Depends(app_settings)]
+QueryServiceDep = Annotated[QueryService, Depends(get_query_service)]
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="QuarryApiKey",
+    description="`Authorization: Bearer <QUARRY_API_KEY>`",
+)
+
+
+async def require_api_key(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """401 unless the request carries the API key (compared in constant time, never logged)."""
+    expected = _api_key(settings)
+    if expected is None or settings.api_auth == "disabled":
+        return
+    given = credentials.credentials.encode("utf-8") if credentials is not None else b""
+    if not hmac.compare_digest(given, expected.encode("utf-8")):
+        raise ApiError(
+            401,
+            "unauthorized",
+            "missing or wrong API key: send `Authorization: Bearer <QUARRY_API_KEY>`",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _api_key(settings: Settings) -> str | None:
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else ""
+    return key if key.strip() else None
+
+
+def _auth_enforced(settings: Settings) -> bool:
+    return settings.api_auth == "enabled" and _api_key(settings) is not None
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def _error_response(description: str, example: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": ErrorBody,
+        "description": description,
+        "content": {"application/json": {"example": {"error": example}}},
+    }
+
+
+_ERR_422 = _error_response(
+    "Bad input: an empty query, a query over the token limit (without `truncate`), "
+    "an unknown field.",
+    {
+        "type": "query_too_long",
+        "message": "the query is 731 tokens, over the limit of 512 (QUARRY_MAX_QUERY_TOKENS); "
+        'shorten it, or send "truncate": true to cut it',
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+    },
+)
+_ERR_401 = _error_response(
+    "No or wrong API key.",
+    {
+        "type": "unauthorized",
+        "message": "missing or wrong API key: send `Authorization: Bearer <QUARRY_API_KEY>`",
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+    },
+)
+_ERR_409 = _error_response(
+    "The index was built by another model than the embedding service serves now.",
+    {
+        "type": "fingerprint_mismatch",
+        "message": "collection 'quarry' was built with BAAI/bge-small-en-v1.5 (384d, bge-en, "
+        "key 1a2b3c4d5e6f), but the embedding service now serves "
+        "Qwen/Qwen3-Embedding-0.6B (1024d, qwen3, key 0f9e8d7c6b5a). ... Run `quarry "
+        "reindex --collection quarry` ...",
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+    },
+)
+_ERR_503 = _error_response(
+    "A dependency is down (named in `dependency`), or the index does not exist yet.",
+    {
+        "type": "dependency_unavailable",
+        "message": "embedding service unavailable: cannot connect: [Errno 111] Connection refused",
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+        "dependency": "embedding service",
+    },
+)
+
+_RESPONSE_EXAMPLE: dict[str, Any] = {
+    "results": [
+        {
+            "text": "Rotate a key with `quarry keys rotate`; the old key stays valid for an hour.",
+            "score": 0.91,
+            "vector_score": 0.62,
+            "rerank_score": 0.91,
+            "doc_id": "3f2a9c0e5b7d4e1f",
+            "uri": "docs/operations/keys.md",
+            "chunk_index": 2,
+            "headings": ["Operations", "API keys"],
+            "title": "API keys",
+            "metadata": {"team": "platform"},
+        }
+    ],
+    "model": {"model_id": "BAAI/bge-small-en-v1.5", "model_key": "1a2b3c4d5e6f"},
+    "reranked": True,
+    "truncated": False,
+    "warnings": [],
+    "timings_ms": {"embed": 4.1, "search": 2.3, "rerank": 11.8, "total": 18.9},
+}
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The query API for ``settings``; clients are built when it starts (lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        async with AsyncExitStack() as stack:
+            try:
+                service = await _start_services(settings, stack)
+            except QuarryError as error:
+                app.state.startup_error = error
+                raise
+            yield {"query_service": service}
+
+    app = FastAPI(
+        title="quarry query API",
+        version=__version__,
+        summary="Search an index that quarry built, with the model that built it.",
+        description=(
+            "Every response carries an `X-Request-ID` header (send your own to correlate), "
+            'and every error has the shape `{"error": {"type", "message", '
+            '"request_id"}}`.'
+        ),
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.startup_error = None
+    protected = [Depends(require_api_key)] if _auth_enforced(settings) else []
+    common_errors: dict[int | str, dict[str, Any]] = {401: _ERR_401} if protected else {}
+
+    @app.post(
+        "/v1/query",
+        response_model=QueryResponse,
+        dependencies=protected,
+        tags=["query"],
+        summary="Search the index",
+        responses={
+            200: {
+                "description": "Passages, best first. A `Warning` header says when the "
+                "reranker was down and vector scores answered.",
+                "content": {"application/json": {"example": _RESPONSE_EXAMPLE}},
+            },
+            **common_errors,
+            409: _ERR_409,
+            422: _ERR_422,
+            503: _ERR_503,
+        },
+    )
+    async def query(
+        service: QueryServiceDep,
+        body: Annotated[
+            QueryRequest,
+            Body(
+                openapi_examples={
+                    "simple": {"summary": "A question", "value": {"query": "What is quarry?"}},
+                    "filtered": {"summary": "Filtered, top 5", "value": _QUERY_EXAMPLE},
+                    "vector-only": {
+                        "summary": "No rerank, one passage per document",
+                        "value": {"query": "backups", "rerank": False, "collapse": "doc"},
+                    },
+                }
+            ),
+        ],
+    ) -> Response:
+        """Embed the query with the index's model, search, rerank, threshold, top_k."""
+        answer, headers = await service.query(body)
+        return Response(
+            answer.model_dump_json().encode("utf-8"),
+            media_type="application/json",
+            headers=headers,
+        )
+
+    @app.get(
+        "/v1/collections",
+        response_model=CollectionList,
+        dependencies=protected,
+        tags=["query"],
+        summary="The collections behind the alias",
+        responses={**common_errors, 503: _ERR_503},
+    )
+    async def collections(service: QueryServiceDep) -> CollectionList:
+        """The alias's physical collections, newest first, with the model of each."""
+        return await service.collections()
+
+    @app.get("/healthz", response_model=Health, tags=["health"], summary="Alive")
+    async def healthz() -> Health:
+        """The process answers (no dependency is asked)."""
+        return Health(status="ok")
+
+    @app.get(
+        "/readyz",
+        response_model=ReadyBody,
+        tags=["health"],
+        summary="Ready to answer queries",
+        responses={
+            503: {
+                "model": NotReadyBody,
+                "description": "Something is wrong; `checks` says what.",
+            }
+        },
+    )
+    async def readyz(request: Request, service: QueryServiceDep) -> Response:
+        """Embedding service, reranker and Qdrant answer, and the fingerprint is compatible."""
+        checks = await service.readiness()
+        failed = [name for name, check in checks.items() if not check.ok]
+        if not failed:
+            return Response(
+                ReadyBody(status="ready", checks=checks).model_dump_json().encode("utf-8"),
+                media_type="application/json",
+            )
+        message = "; ".join(f"{name}: {checks[name].detail}" for name in failed)
+        return error_body(
+            503,
+            "not_ready",
+            f"not ready: {message}",
+            _request_id(request),
+            extra={"checks": {name: check.model_dump() for name, check in checks.items()}},
+        )
+
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(QuarryError, _on_quarry_error)
+    app.add_middleware(RequestContext, owner=app)
+    _document_request_id(app)
+    return app
+
+
+def _document_request_id(app: FastAPI) -> None:
+    """Add the ``X-Request-ID`` response header to every documented response."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            header = {
+                "description": "The request id: the caller's `X-Request-ID`, else a new one.",
+                "required": True,
+                "schema": {"type": "string"},
+            }
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    for response in operation.get("responses", {}).values():
+                        response.setdefault("headers", {})[REQUEST_ID_HEADER] = header
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _start_services(settings: Settings, stack: AsyncExitStack) -> QueryService:
+    """Build the clients from settings (closing them with ``stack``) and check the index."""
+    embed_url = await asyncio.to_thread(stack.enter_context, start_local_tei_if_needed(settings))
+    policy = retry_policy(settings)
+    embedder = AsyncEmbeddingClient(
+        embed_url,
+        api_key=_secret(settings.embed_api_key),
+        model=settings.embed_model,
+        timeout=settings.embed_timeout,
+        retry=policy,
+        prompt_profile=settings.prompt_profile,
+        query_task=settings.query_task,
+        dialect=settings.embed_dialect,
+    )
+    stack.push_async_callback(embedder.aclose)
+    reranker = AsyncRerankClient(
+        settings.rerank_url or embed_url,
+        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
+        timeout=settings.embed_timeout,
+        retry=policy,
+        dialect=settings.rerank_dialect,
+    )
+    stack.push_async_callback(reranker.aclose)
+    store = AsyncStore(open_async_qdrant(settings), settings.collection)
+    stack.push_async_callback(store.close)
+    service = QueryService(settings, store, embedder, reranker)
+    # Building the tokenizer takes a second: do it now, not in the first query.
+    from quarry.chunking import count_tokens
+
+    await asyncio.to_thread(count_tokens, "warm up")
+    await service.warm_up()
+    if not _auth_enforced(settings):
+        logger.warning(
+            "quarry api: requests are not authenticated (%s)",
+            "QUARRY_API_AUTH=disabled" if settings.api_auth == "disabled" else "no QUARRY_API_KEY",
+        )
+    return service
+
+
+def _secret(value: Any) -> str | None:
+    return value.get_secret_value() if value is not None else None
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_address(settings: Settings, host: str) -> None:
+    """Refuse (ConfigError) to serve on a non-loopback address without an API key.
+
+    Allowed: a loopback host; or a key (``QUARRY_API_KEY``); or
+    ``QUARRY_API_AUTH=disabled`` when something in front of quarry authenticates.
+    """
+    if is_loopback(host) or settings.api_auth == "disabled" or _api_key(settings) is not None:
+        return
+    raise ConfigError(
+        f"refusing to serve the query API on {host} without an API key: anyone who can reach "
+        "it could query the index. Set QUARRY_API_KEY (clients then send `Authorization: "
+        "Bearer <key>`), bind a loopback address (--host 127.0.0.1), or set "
+        "QUARRY_API_AUTH=disabled if a proxy in front of quarry authenticates requests."
+    )
+
+
+def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the query API under uvicorn until interrupted (``quarry api``).
+
+    Raises ConfigError for a non-loopback host without a key (see
+    :func:`check_bind_address`), and the QuarryError that stopped startup (e.g.
+    StoreLocked when another process holds local-mode Qdrant).
+    """
+    check_bind_address(settings, host)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    logging.getLogger("quarry").setLevel(logging.INFO)
+    # The HTTP clients log every request at INFO: three lines per query is noise.
+    for name in ("httpx2", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            access_log=False,  # quarry logs each request itself, with its request id
+            timeout_keep_alive=75,
+            timeout_graceful_shutdown=10,
+        )
+    )
+    try:
+        server.run()
+    except SystemExit as exit_:  # uvicorn exits when startup fails or it cannot listen
+        error = app.state.startup_error
+        if isinstance(error, QuarryError):
+            raise error from None
+        raise ConfigError(
+            f"the query API did not start on {host}:{port}; see the log above"
+        ) from exit_
+    error = app.state.startup_error
+    if isinstance(error, QuarryError):
+        raise error

@@ -1,0 +1,607 @@
+"""The query API against a real local_tei (hash backend) and local-mode Qdrant.
+
+One collection is built per module with the real ingest; each app gets its own
+copy of it (local-mode Qdrant admits one client per folder), so every test can
+configure the app its own way. Dead dependencies are loopback ports nobody
+listens on, and the retry budget is zero, so nothing here waits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+from starlette.testclient import TestClient
+
+from quarry._http import NO_WAIT
+from quarry.api import check_bind_address, create_app, serve
+from quarry.chunking import Chunker, count_tokens
+from quarry.config import Settings
+from quarry.embeddings import EmbeddingClient
+from quarry.errors import ConfigError, StoreLocked
+from quarry.fingerprint import cosine
+from quarry.ingest import IndexSync, run_sync
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from quarry.rerank import RerankClient
+from quarry.search import Searcher, SearchFilter
+from quarry.sources import open_source
+from quarry.store import VectorStore, open_client
+from tests.conftest import write_corpus
+
+KEY = "test-key-9f8e7d6c5b4a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CORPUS = {
+    "alpha.md": "# Alpha\n\nAlpha is the first letter of the Greek alphabet. " * 12,
+    "beta.md": "# Beta\n\nBeta comes second, after alpha.\n\n## More\n\nBeta rays are electrons. "
+    * 8,
+    "notes/gamma.txt": "Gamma rays are energetic photons from radioactive decay. " * 20,
+    "notes/delta.md": "# Delta\n\nA river delta is shaped like a triangle, the letter delta.",
+}
+RESULT_FIELDS = {
+    "text",
+    "score",
+    "vector_score",
+    "rerank_score",
+    "doc_id",
+    "uri",
+    "chunk_index",
+    "headings",
+    "title",
+    "metadata",
+}
+
+
+def _build_collection(data_dir: Path, corpus: Path, url: str, **embedder: Any) -> None:
+    settings = Settings(data_dir=data_dir, collection="test")
+    store = VectorStore(open_client(settings), "test")
+    client = EmbeddingClient(url, retry=NO_WAIT, **embedder)
+    try:
+        report = run_sync(IndexSync(store, client, Chunker(48, 8)), [open_source(corpus)])
+        assert report.documents_failed == 0
+    finally:
+        store.close()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tei() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory, tei: LocalTEIServer) -> Path:
+    """A data dir holding the collection ``test`` of CORPUS, built by the real ingest."""
+    base = tmp_path_factory.mktemp("api")
+    corpus = write_corpus(base / "corpus", CORPUS)
+    _build_collection(base / "data", corpus, tei.url)
+    return base / "data"
+
+
+def _dead_url() -> str:
+    """A loopback URL where nothing listens: connections are refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+AppFactory = Callable[..., TestClient]
+
+
+def _start_app(
+    stack: ExitStack, data_dir: Path, source: Path, url: str, **overrides: Any
+) -> TestClient:
+    shutil.copytree(source, data_dir, ignore=shutil.ignore_patterns(".lock"))
+    values: dict[str, Any] = {
+        "data_dir": data_dir,
+        "collection": "test",
+        "embed_url": url,
+        "api_key": SecretStr(KEY),
+        "retry_budget": 0.0,
+    }
+    values.update(overrides)
+    client = TestClient(create_app(Settings(**values)), raise_server_exceptions=False)
+    return stack.enter_context(client)
+
+
+@pytest.fixture
+def make_app(tmp_path: Path, template: Path, tei: LocalTEIServer) -> Iterator[AppFactory]:
+    """Start an app on a fresh copy of the collection; keyword arguments override Settings."""
+    with ExitStack() as stack:
+        copies = 0
+
+        def factory(*, data: Path | None = None, **overrides: Any) -> TestClient:
+            nonlocal copies
+            copies += 1
+            return _start_app(
+                stack, tmp_path / f"data{copies}", data or template, tei.url, **overrides
+            )
+
+        yield factory
+
+
+@pytest.fixture(scope="module")
+def app(
+    tmp_path_factory: pytest.TempPathFactory, template: Path, tei: LocalTEIServer
+) -> Iterator[TestClient]:
+    """One app with the default settings for the tests that only read."""
+    with ExitStack() as stack:
+        yield _start_app(stack, tmp_path_factory.mktemp("shared") / "data", template, tei.url)
+
+
+def query(client: TestClient, body: dict[str, Any], **kwargs: Any) -> Any:
+    return client.post("/v1/query", json=body, headers={**AUTH, **kwargs.pop("headers", {})})
+
+
+def assert_error(response: Any, status: int, kind: str) -> dict[str, Any]:
+    """The one error shape, with the request id of the response header."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) >= {"error"}
+    error = body["error"]
+    assert error["type"] == kind, error
+    assert error["message"]
+    assert error["request_id"] == response.headers["x-request-id"]
+    assert "Traceback" not in response.text
+    return dict(error)
+
+
+# -- the query path ---------------------------------------------------------------------------
+
+
+def test_query_returns_reranked_passages_best_first(app: TestClient) -> None:
+    response = query(app, {"query": "gamma rays photons", "top_k": 5})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert set(body) >= {"results", "model", "reranked", "timings_ms", "truncated"}
+    assert body["reranked"] is True
+    assert body["truncated"] is False
+    results = body["results"]
+    assert 0 < len(results) <= 5
+    assert all(set(result) == RESULT_FIELDS for result in results)
+    scores = [result["score"] for result in results]
+    assert scores == sorted(scores, reverse=True)
+    assert all(result["rerank_score"] == result["score"] for result in results)
+    assert results[0]["uri"] == "corpus/notes/gamma.txt"
+    assert set(body["timings_ms"]) == {"embed", "search", "rerank", "total"}
+    assert "warning" not in response.headers
+    collections = app.get("/v1/collections", headers=AUTH).json()["collections"]
+    assert body["model"] == collections[0]["model"]
+
+
+def test_top_k_and_threshold_cut_the_answer(app: TestClient) -> None:
+    everything = query(app, {"query": "alpha letter", "top_k": 100, "threshold": -1.0}).json()
+    assert len(everything["results"]) > 3
+    assert len(query(app, {"query": "alpha letter", "top_k": 2}).json()["results"]) == 2
+    cut = sorted(r["score"] for r in everything["results"])[len(everything["results"]) // 2]
+    kept = query(app, {"query": "alpha letter", "top_k": 100, "threshold": cut}).json()
+    assert kept["results"]
+    assert all(result["score"] >= cut for result in kept["results"])
+    assert len(kept["results"]) < len(everything["results"])
+
+
+def test_default_threshold_comes_from_settings(make_app: AppFactory) -> None:
+    strict = make_app(rerank_threshold=0.99)
+    loose = make_app(rerank_threshold=-1.0)
+    body = {"query": "delta triangle", "top_k": 100}
+    strict_results = query(strict, body).json()["results"]
+    loose_results = query(loose, body).json()["results"]
+    assert all(result["score"] >= 0.99 for result in strict_results)
+    assert len(loose_results) > len(strict_results)
+
+
+def test_rerank_off_answers_from_vector_scores(app: TestClient) -> None:
+    response = query(app, {"query": "beta electrons", "rerank": False})
+    body = response.json()
+    assert body["reranked"] is False
+    assert body["results"]
+    for result in body["results"]:
+        assert result["rerank_score"] is None
+        assert result["score"] == result["vector_score"]
+    assert "rerank" not in body["timings_ms"]
+    assert "warning" not in response.headers
+
+
+def test_filters_restrict_the_candidates(app: TestClient) -> None:
+    base = {"query": "letter rays", "top_k": 100, "threshold": -1.0}
+    notes = query(app, {**base, "filter": {"uri_prefix": "corpus/notes"}}).json()["results"]
+    assert notes
+    assert {result["uri"] for result in notes} == {
+        "corpus/notes/gamma.txt",
+        "corpus/notes/delta.md",
+    }
+
+    beta_id = next(
+        r["doc_id"] for r in query(app, base).json()["results"] if r["uri"] == "corpus/beta.md"
+    )
+    only_beta = query(app, {**base, "filter": {"doc_ids": [beta_id]}}).json()["results"]
+    assert only_beta
+    assert {result["doc_id"] for result in only_beta} == {beta_id}
+
+    plain = query(app, {**base, "filter": {"metadata": {"content_type": "text/plain"}}}).json()
+    assert {result["uri"] for result in plain["results"]} == {"corpus/notes/gamma.txt"}
+
+
+def test_collapse_doc_keeps_one_passage_per_document(app: TestClient) -> None:
+    body = {"query": "gamma rays alpha beta", "top_k": 100, "threshold": -1.0}
+    everything = [r["doc_id"] for r in query(app, body).json()["results"]]
+    assert len(everything) > len(set(everything))  # several chunks of some document
+    collapsed = [r["doc_id"] for r in query(app, {**body, "collapse": "doc"}).json()["results"]]
+    assert len(collapsed) == len(set(collapsed)) == len(set(everything))
+
+
+def test_api_answers_as_the_cli_searcher_does(
+    app: TestClient, template: Path, tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    """`quarry query` (the sync Searcher) and the API share search.py: same answer."""
+    copy = tmp_path / "cli-copy"
+    shutil.copytree(template, copy, ignore=shutil.ignore_patterns(".lock"))
+    settings = Settings(data_dir=copy, collection="test")
+    store = VectorStore(open_client(settings), "test")
+    embedder = EmbeddingClient(tei.url, retry=NO_WAIT)
+    reranker = RerankClient(tei.url, retry=NO_WAIT)
+    try:
+        searcher = Searcher(store, embedder, reranker, threshold=settings.rerank_threshold)
+        for request, kwargs in [
+            ({"query": "alpha beta letters", "top_k": 7}, {"top_k": 7}),
+            (
+                {"query": "rays", "rerank": False, "collapse": "doc"},
+                {"rerank": False, "collapse": "doc"},
+            ),
+            (
+                {"query": "triangle", "filter": {"uri_prefix": "corpus/notes"}, "threshold": 0.1},
+                {"search_filter": SearchFilter(uri_prefix="corpus/notes"), "threshold": 0.1},
+            ),
+        ]:
+            expected = searcher.search(str(request["query"]), **kwargs).to_dict()
+            got = query(app, request).json()
+            assert got["reranked"] == expected["reranked"]
+            assert got["model"] == expected["model"]
+            assert [(r["doc_id"], r["chunk_index"]) for r in got["results"]] == [
+                (r["doc_id"], r["chunk_index"]) for r in expected["results"]
+            ]
+            assert [r["score"] for r in got["results"]] == pytest.approx(
+                [r["score"] for r in expected["results"]]
+            )
+    finally:
+        store.close()
+        embedder.close()
+        reranker.close()
+
+
+def test_query_is_formatted_with_the_recorded_profile_and_task(
+    make_app: AppFactory, tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    """The index's task wins over a QUARRY_QUERY_TASK changed since it was built."""
+    corpus = write_corpus(tmp_path / "corpus", {"one.md": "Quarry water is forty metres deep."})
+    recorded = {"prompt_profile": "e5-instruct", "query_task": "Find the depth"}
+    _build_collection(tmp_path / "instr", corpus, tei.url, **recorded)
+    app = make_app(data=tmp_path / "instr", prompt_profile="e5-instruct", query_task="Other")
+    hit = query(app, {"query": "how deep", "rerank": False}).json()["results"][0]
+
+    store = VectorStore(open_client(Settings(data_dir=tmp_path / "instr")), "test")
+    try:
+        (point,) = list(store.scroll(with_vectors=True))
+    finally:
+        store.close()
+    with EmbeddingClient(tei.url, retry=NO_WAIT) as client:
+        right, wrong = client.embed_raw(
+            ["Instruct: Find the depth\nQuery: how deep", "Instruct: Other\nQuery: how deep"]
+        )
+    vector = point.vector
+    assert isinstance(vector, list)
+    assert hit["vector_score"] == pytest.approx(cosine(right, vector), abs=1e-5)
+    assert hit["vector_score"] != pytest.approx(cosine(wrong, vector), abs=1e-5)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"query": ""},
+        {"query": "   \n\t"},
+        {"top_k": 3},
+        {"query": "x", "top_k": 0},
+        {"query": "x", "top_k": 101},
+        {"query": "x", "candidates": 0},
+        {"query": "x", "colour": "blue"},
+        {"query": "x", "filter": {"uri_prefix": "a", "path": "b"}},
+        {"query": "x", "filter": {"doc_ids": []}},
+        {"query": "x", "filter": {"metadata": {"size": 1.5}}},
+        {"query": "x", "filter": {"metadata": {"a.b": "c"}}},
+        {"query": "x", "collapse": "page"},
+        {"query": "x", "rerank": "yes"},
+        {"query": 42},
+    ],
+    ids=lambda body: json.dumps(body),
+)
+def test_bad_input_is_a_422_in_the_error_shape(app: TestClient, body: dict[str, Any]) -> None:
+    error = assert_error(query(app, body), 422, "invalid_request")
+    assert error["details"]
+
+
+def test_malformed_json_is_a_422(app: TestClient) -> None:
+    response = app.post(
+        "/v1/query", content=b'{"query": ', headers={**AUTH, "content-type": "application/json"}
+    )
+    assert_error(response, 422, "invalid_request")
+
+
+def test_query_over_max_query_tokens_is_refused_unless_truncated(make_app: AppFactory) -> None:
+    app = make_app(max_query_tokens=8)
+    long_query = "gamma rays are energetic photons from radioactive decay of nuclei in stars"
+    assert count_tokens(long_query) > 8
+    error = assert_error(query(app, {"query": long_query}), 422, "query_too_long")
+    assert "QUARRY_MAX_QUERY_TOKENS" in error["message"]
+    assert "truncate" in error["message"]
+
+    cut = query(app, {"query": long_query, "truncate": True})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["truncated"] is True
+    assert cut.json()["results"]
+    fits = query(app, {"query": "gamma rays", "truncate": True})
+    assert fits.json()["truncated"] is False
+
+
+@pytest.fixture
+def short_tei() -> Iterator[LocalTEIServer]:
+    """The same model with a smaller max_input_length (the canary still fits)."""
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, max_input_length=32)) as server:
+        yield server
+
+
+@pytest.fixture
+def other_tei() -> Iterator[LocalTEIServer]:
+    """Another model: the hash backend with another seed."""
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as server:
+        yield server
+
+
+# The servers come before make_app: its apps are closed first, with no connection left open.
+
+
+def test_query_over_the_models_input_limit_is_refused_unless_truncated(
+    short_tei: LocalTEIServer, make_app: AppFactory
+) -> None:
+    # Another max_input_length is a serving change, allowed here.
+    app = make_app(embed_url=short_tei.url, allow_serving_change=True)
+    long_query = " ".join(["gamma", "rays", "photons", "decay"] * 10)
+    assert count_tokens(long_query) < 512  # under QUARRY_MAX_QUERY_TOKENS
+    error = assert_error(query(app, {"query": long_query}), 422, "query_too_long")
+    assert "32 tokens" in error["message"]
+    assert short_tei.url not in error["message"]
+
+    # (No rerank: passages split to fit a 32-token reranker make a slow test.)
+    cut = query(app, {"query": long_query, "truncate": True, "rerank": False})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["truncated"] is True
+    assert cut.json()["results"][0]["uri"] == "corpus/notes/gamma.txt"
+
+
+# -- auth -------------------------------------------------------------------------------------
+
+
+def test_queries_need_the_api_key(app: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    body = {"query": "alpha"}
+    missing = app.post("/v1/query", json=body)
+    assert_error(missing, 401, "unauthorized")
+    assert missing.headers["www-authenticate"] == "Bearer"
+    wrong = app.post("/v1/query", json=body, headers={"Authorization": f"Bearer {KEY[:-1]}x"})
+    assert_error(wrong, 401, "unauthorized")
+    basic = app.post("/v1/query", json=body, headers={"Authorization": f"Basic {KEY}"})
+    assert_error(basic, 401, "unauthorized")
+    assert_error(app.get("/v1/collections"), 401, "unauthorized")
+    assert query(app, body).status_code == 200
+    assert app.get("/v1/collections", headers=AUTH).status_code == 200
+    # Probes need no key.
+    assert app.get("/healthz").status_code == 200
+    assert app.get("/readyz").status_code == 200
+    assert caplog.records
+    for record in caplog.records:
+        assert KEY[:-1] not in record.getMessage()
+
+
+def test_auth_disabled_or_no_key_serves_without_a_header(make_app: AppFactory) -> None:
+    for app in (make_app(api_auth="disabled"), make_app(api_key=None)):
+        assert app.post("/v1/query", json={"query": "alpha"}).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "example.org"])
+def test_serve_refuses_a_public_host_without_a_key(host: str, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="QUARRY_API_KEY"):
+        serve(settings, host, 0)
+    with pytest.raises(ConfigError, match="QUARRY_API_AUTH=disabled"):
+        check_bind_address(settings, host)
+    check_bind_address(Settings(data_dir=tmp_path, api_key=SecretStr(KEY)), host)
+    check_bind_address(Settings(data_dir=tmp_path, api_auth="disabled"), host)
+    # An empty key is no key.
+    with pytest.raises(ConfigError):
+        check_bind_address(Settings(data_dir=tmp_path, api_key=SecretStr(" ")), host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_serve_allows_loopback_without_a_key(host: str, tmp_path: Path) -> None:
+    check_bind_address(Settings(data_dir=tmp_path), host)
+
+
+# -- request ids and the error shape ----------------------------------------------------------
+
+
+def test_request_id_is_echoed_in_headers_bodies_and_logs(
+    app: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="quarry.api")
+    given = "client-req-0042"
+    ok = query(app, {"query": "alpha"}, headers={"X-Request-ID": given})
+    assert ok.headers["x-request-id"] == given
+    bad = query(app, {"query": ""}, headers={"X-Request-ID": given})
+    assert assert_error(bad, 422, "invalid_request")["request_id"] == given
+    assert any(given in record.getMessage() for record in caplog.records)
+
+    made = query(app, {"query": "alpha"})
+    assert len(made.headers["x-request-id"]) >= 16
+    assert made.headers["x-request-id"] != query(app, {"query": "a"}).headers["x-request-id"]
+    # A request id that could corrupt the logs is replaced, not echoed.
+    odd = query(app, {"query": "alpha"}, headers={"X-Request-ID": "a b\tc" + "x" * 200})
+    assert odd.headers["x-request-id"] != "a b\tc" + "x" * 200
+
+
+def test_unknown_routes_and_methods_use_the_error_shape(app: TestClient) -> None:
+    assert_error(app.get("/v2/query", headers=AUTH), 404, "not_found")
+    assert_error(app.get("/v1/query", headers=AUTH), 405, "method_not_allowed")
+
+
+def test_an_unexpected_failure_is_a_500_without_a_stack_trace(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app()
+
+    async def broken() -> None:
+        raise RuntimeError("secret internals")
+
+    app.app.add_api_route("/boom", broken)  # type: ignore[attr-defined]
+    response = app.get("/boom")
+    error = assert_error(response, 500, "internal_error")
+    assert "secret internals" not in response.text
+    assert error["request_id"] in error["message"]
+    assert any("secret internals" in (r.exc_text or "") for r in caplog.records)
+
+
+# -- dependencies -----------------------------------------------------------------------------
+
+
+def test_another_model_is_a_409_naming_both_and_readyz_503(
+    other_tei: LocalTEIServer, make_app: AppFactory
+) -> None:
+    app = make_app(embed_url=other_tei.url)
+    error = assert_error(query(app, {"query": "alpha"}), 409, "fingerprint_mismatch")
+    assert "quarry reindex" in error["message"]
+    assert error["message"].count("quarry/hash-embedding-32d") == 2  # both models
+    ready = assert_error(app.get("/readyz"), 503, "not_ready")
+    assert "fingerprint" in ready["message"]
+    assert app.get("/readyz").json()["checks"]["fingerprint"]["ok"] is False
+    assert app.get("/healthz").status_code == 200
+
+
+def test_reranker_down_answers_from_vector_scores_with_a_warning(make_app: AppFactory) -> None:
+    app = make_app(rerank_url=_dead_url())
+    response = query(app, {"query": "gamma rays"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["reranked"] is False
+    assert body["results"]
+    assert all(result["rerank_score"] is None for result in body["results"])
+    assert "reranker unavailable" in response.headers["warning"]
+    assert any("reranker unavailable" in warning for warning in body["warnings"])
+    ready = assert_error(app.get("/readyz"), 503, "not_ready")
+    assert "reranker" in ready["message"]
+
+
+def test_reranker_down_is_a_503_when_rerank_is_required(make_app: AppFactory) -> None:
+    app = make_app(rerank_url=_dead_url(), rerank_required=True)
+    error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    assert error["dependency"] == "reranker"
+    # Without rerank the reranker is not needed.
+    assert query(app, {"query": "gamma", "rerank": False}).status_code == 200
+
+
+def test_embedding_service_down_is_a_503_naming_it(make_app: AppFactory) -> None:
+    dead = _dead_url()
+    app = make_app(embed_url=dead, rerank_url=dead)
+    error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    assert error["dependency"] == "embedding service"
+    ready = assert_error(app.get("/readyz"), 503, "not_ready")
+    assert "embedding" in ready["message"]
+    assert app.get("/readyz").json()["checks"]["qdrant"]["ok"] is True
+
+
+@pytest.mark.filterwarnings("ignore:Failed to obtain server version")
+def test_qdrant_down_is_a_503_naming_it(make_app: AppFactory) -> None:
+    app = make_app(qdrant_url=_dead_url())
+    error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    assert error["dependency"] == "qdrant"
+    assert_error(app.get("/v1/collections", headers=AUTH), 503, "dependency_unavailable")
+    ready = app.get("/readyz")
+    assert "qdrant" in assert_error(ready, 503, "not_ready")["message"]
+    assert ready.json()["checks"]["embedding"]["ok"] is True
+
+
+def test_a_missing_collection_is_a_503_that_says_to_ingest(
+    make_app: AppFactory, tmp_path: Path
+) -> None:
+    (tmp_path / "empty").mkdir()
+    app = make_app(data=tmp_path / "empty")
+    error = assert_error(query(app, {"query": "gamma"}), 503, "collection_not_found")
+    assert "quarry ingest" in error["message"]
+    assert_error(app.get("/readyz"), 503, "not_ready")
+
+
+def test_a_locked_local_store_stops_startup_with_quarrys_message(
+    template: Path, tei: LocalTEIServer, tmp_path: Path
+) -> None:
+    data = tmp_path / "locked"
+    shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
+    settings = Settings(data_dir=data, collection="test", embed_url=tei.url)
+    holder = open_client(settings)  # an ingest, say, holds the folder
+    try:
+        with pytest.raises(StoreLocked, match="QUARRY_QDRANT_URL"):
+            with TestClient(create_app(settings)):
+                pass
+    finally:
+        holder.close()
+
+
+def test_serve_stops_with_the_store_locked_error(
+    template: Path, tei: LocalTEIServer, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`quarry api` raises the QuarryError that stopped startup, logged as one clear line."""
+    data = tmp_path / "locked"
+    shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
+    settings = Settings(data_dir=data, collection="test", embed_url=tei.url)
+    holder = open_client(settings)
+    try:
+        with pytest.raises(StoreLocked, match="admits one process"):
+            serve(settings, "127.0.0.1", 0)
+    finally:
+        holder.close()
+    log = capfd.readouterr().err  # uvicorn's own log handler writes to stderr
+    assert "quarry api cannot start: collection 'test': local-mode Qdrant" in log
+    assert "Traceback" not in log
+
+
+def test_readyz_and_collections_when_all_is_well(app: TestClient) -> None:
+    ready = app.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["status"] == "ready"
+    assert set(ready.json()["checks"]) == {"qdrant", "embedding", "reranker", "fingerprint"}
+    listing = app.get("/v1/collections", headers=AUTH).json()
+    assert listing["alias"] == "test"
+    (entry,) = listing["collections"]
+    assert entry["active"] is True
+    assert entry["aliases"] == ["test"]
+    assert entry["points"] > len(CORPUS)
+    assert entry["name"].startswith(f"test__{entry['model']['model_key']}__")
+
+
+def test_openapi_documents_examples_and_the_error_shape(app: TestClient) -> None:
+    schema = app.get("/openapi.json").json()
+    operation = schema["paths"]["/v1/query"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["examples"]
+    assert set(operation["responses"]) >= {"200", "401", "409", "422", "503"}
+    error_ref = operation["responses"]["422"]["content"]["application/json"]["schema"]["$ref"]
+    assert error_ref.endswith("/ErrorBody")
+    assert "HTTPValidationError" not in json.dumps(schema)
+    assert schema["components"]["securitySchemes"]["QuarryApiKey"]["scheme"] == "bearer"

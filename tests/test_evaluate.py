@@ -1,0 +1,280 @@
+"""BEIR evaluation: metrics against hand-computed cases, the loader, and a whole run.
+
+The end-to-end runs use local_tei's deterministic hash backend on
+``tests/data/beir_tiny``: several queries there are exactly a document's
+``title + " " + text``, so that document must rank first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from quarry.config import Settings
+from quarry.errors import SourceNotFound, UnreadableDocument
+from quarry.evaluate import (
+    METRICS,
+    format_table,
+    iter_corpus,
+    load_beir,
+    mean_metrics,
+    mrr_at_k,
+    ndcg_at_k,
+    query_metrics,
+    rank_documents,
+    recall_at_k,
+    run_evaluation,
+)
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+
+TINY = Path(__file__).parent / "data" / "beir_tiny"
+LOG2_3 = math.log2(3)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_ndcg_graded_relevance_by_hand() -> None:
+    # gains 2^rel - 1: a(1) -> 1 at rank 1, c(2) -> 3 at rank 3; b is not judged.
+    dcg = 1 / 1 + 0 + 3 / 2
+    # ideal order of grades (2, 1, 1): 3/1 + 1/log2(3) + 1/2
+    idcg = 3 + 1 / LOG2_3 + 0.5
+    relevance = {"a": 1, "c": 2, "d": 1}
+    assert ndcg_at_k(["a", "b", "c"], relevance) == pytest.approx(dcg / idcg)
+    assert ndcg_at_k(["a", "b", "c"], relevance) == pytest.approx(0.605190, abs=1e-6)
+    assert ndcg_at_k(["c", "a", "d"], relevance) == pytest.approx(1.0)
+
+
+def test_ndcg_ties_in_grades_and_k_cut() -> None:
+    # Two documents of equal grade in either order are both ideal.
+    assert ndcg_at_k(["b", "a"], {"a": 1, "b": 1}) == pytest.approx(1.0)
+    # The only relevant document at rank 11 is outside nDCG@10.
+    ranked = [f"x{i}" for i in range(10)] + ["hit"]
+    assert ndcg_at_k(ranked, {"hit": 1}) == 0.0
+    assert ndcg_at_k(ranked, {"hit": 1}, k=11) == pytest.approx(1 / math.log2(12))
+    # Binary relevance at rank 2: 1/log2(3).
+    assert ndcg_at_k(["x", "hit"], {"hit": 1}) == pytest.approx(1 / LOG2_3)
+
+
+def test_ideal_dcg_is_cut_at_k_too() -> None:
+    relevance = {f"r{i}": 1 for i in range(12)}
+    # Ten relevant documents in the first ten places is a perfect nDCG@10.
+    assert ndcg_at_k([f"r{i}" for i in range(10)], relevance) == pytest.approx(1.0)
+
+
+def test_no_relevant_document_retrieved_scores_zero() -> None:
+    relevance = {"gold": 1}
+    ranked = ["a", "b", "c"]
+    assert ndcg_at_k(ranked, relevance) == 0.0
+    assert recall_at_k(ranked, relevance, 10) == 0.0
+    assert mrr_at_k(ranked, relevance) == 0.0
+    # Grade 0 is "judged not relevant", and an empty judgement scores 0, not a division error.
+    assert ndcg_at_k(["a"], {"a": 0}) == 0.0
+    assert recall_at_k(["a"], {}, 10) == 0.0
+
+
+def test_recall_by_hand() -> None:
+    relevance = {"a": 1, "b": 2, "c": 1}
+    assert recall_at_k(["a", "x", "b"], relevance, 10) == pytest.approx(2 / 3)
+    assert recall_at_k(["a", "x", "b"], relevance, 2) == pytest.approx(1 / 3)
+    ranked = [f"x{i}" for i in range(50)] + ["c"]
+    assert recall_at_k(ranked, relevance, 10) == 0.0
+    assert recall_at_k(ranked, relevance, 100) == pytest.approx(1 / 3)
+
+
+def test_mrr_by_hand() -> None:
+    assert mrr_at_k(["x", "y", "a", "b"], {"a": 1, "b": 2}) == pytest.approx(1 / 3)
+    assert mrr_at_k(["a"], {"a": 3}) == 1.0
+    ranked = [f"x{i}" for i in range(10)] + ["a"]
+    assert mrr_at_k(ranked, {"a": 1}) == 0.0
+    assert mrr_at_k(ranked, {"a": 1}, k=11) == pytest.approx(1 / 11)
+
+
+def test_rank_documents_takes_the_best_chunk_breaks_ties_by_id_and_excludes_own_id() -> None:
+    hits = [("b", 0.5), ("a", 0.7), ("b", 0.9), ("c", 0.7), ("self", 1.0), ("a", 0.2)]
+    ranking = rank_documents(hits, exclude="self")
+    assert ranking == [("b", 0.9), ("a", 0.7), ("c", 0.7)]
+    # Equal scores in the other input order give the same ranking.
+    assert rank_documents(reversed(hits), exclude="self") == ranking
+    assert rank_documents(hits)[0] == ("self", 1.0)
+
+
+def test_own_id_exclusion_changes_the_metrics() -> None:
+    hits = [("q7", 0.99), ("gold", 0.8), ("other", 0.5)]
+    relevance = {"gold": 1}
+    kept = [doc for doc, _ in rank_documents(hits)]
+    dropped = [doc for doc, _ in rank_documents(hits, exclude="q7")]
+    assert mrr_at_k(kept, relevance) == 0.5
+    assert mrr_at_k(dropped, relevance) == 1.0
+
+
+def test_query_metrics_and_mean() -> None:
+    row = query_metrics(["a", "x"], {"a": 1, "b": 1})
+    assert row == {
+        "ndcg@10": pytest.approx(1 / (1 + 1 / LOG2_3)),
+        "recall@10": 0.5,
+        "recall@100": 0.5,
+        "mrr@10": 1.0,
+    }
+    mean = mean_metrics([row, query_metrics(["x"], {"a": 1})])
+    assert mean["recall@10"] == 0.25
+    assert mean["mrr@10"] == 0.5
+    assert mean_metrics([]) == dict.fromkeys(METRICS, 0.0)
+
+
+# ------------------------------------------------------------------------------- loader
+
+
+def test_loader_reads_judged_queries_and_graded_qrels() -> None:
+    dataset = load_beir(TINY)
+    assert dataset.name == "beir_tiny"
+    # q6 has no judgement, q9 has no text, q5's grade-0 pair is not relevant.
+    assert sorted(dataset.queries) == ["d4", "q1", "q2", "q4", "q5"]
+    assert dataset.skipped_queries == 1
+    assert dataset.qrels["q1"] == {"d1": 2, "d3": 1}
+    assert dataset.qrels["q5"] == {"d6": 1}
+    assert dataset.corpus_size() == 8
+
+
+def test_corpus_passages_join_title_and_text_as_beir_does() -> None:
+    entries = {entry.doc_id: entry for entry in iter_corpus(TINY / "corpus.jsonl")}
+    assert len(entries) == 8
+    assert entries["d1"].passage == (
+        "Granite quarries Granite is cut from open pits in terraces and polished for "
+        "kitchen counters."
+    )
+    assert entries["d2"].title == ""
+    assert entries["d2"].passage == entries["d2"].text
+
+
+def test_loader_other_split_and_missing_split(tmp_path: Path) -> None:
+    assert sorted(load_beir(TINY, "dev").queries) == ["q2"]
+    with pytest.raises(SourceNotFound, match=r"splits here: dev, test"):
+        load_beir(TINY, "train")
+    with pytest.raises(SourceNotFound, match="no such dataset folder"):
+        load_beir(tmp_path / "absent")
+
+
+def test_loader_names_the_bad_line(tmp_path: Path) -> None:
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "a", "text": "ok"}\n{not json\n')
+    with pytest.raises(UnreadableDocument, match=r"corpus\.jsonl:2"):
+        list(iter_corpus(tmp_path / "corpus.jsonl"))
+
+
+# ------------------------------------------------------------------------- whole runs
+
+
+@pytest.fixture(scope="module")
+def tei() -> Iterator[LocalTEIServer]:
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32)) as server:
+        yield server
+
+
+@pytest.fixture
+def settings(monkeypatch: pytest.MonkeyPatch, tei: LocalTEIServer, tmp_path: Path) -> Settings:
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    # Small chunks, so the long document d6 is several chunks aggregated back to one.
+    return Settings(data_dir=tmp_path / "data", chunk_tokens=32, chunk_overlap=4)
+
+
+def test_run_evaluation_end_to_end(settings: Settings) -> None:
+    stages: list[tuple[str, int, int]] = []
+    result = run_evaluation(
+        TINY,
+        settings=settings,
+        details=True,
+        progress=lambda stage, done, total: stages.append((stage, done, total)),
+    )
+    json.dumps(result)  # JSON-ready
+    for key in ("dataset", "queries", *METRICS, "reranked"):
+        assert key in result
+    assert result["dataset"] == "beir_tiny"
+    assert result["queries"] == 5
+    assert result["reranked"] is True
+    assert set(result["without_rerank"]) == set(METRICS)
+    assert result["collection"].startswith("eval-beir_tiny-")
+    assert result["ingest"]["documents_embedded"] == 8
+    assert result["ingest"]["points"] > 8  # d6 is several chunks
+    assert any("no text" in warning for warning in result["warnings"])
+    for value in (*(result[m] for m in METRICS), *result["without_rerank"].values()):
+        assert 0.0 <= value <= 1.0
+
+    per_query = result["per_query"]
+    # A query that is exactly a document's "title text" finds it first.
+    assert per_query["q1"]["top"][0] == "d1"
+    assert per_query["q2"]["top"][0] == "d2"
+    assert per_query["q2"]["vector"]["ndcg@10"] == 1.0
+    # The query with id "d4" is d4's text, but d4 itself is not allowed in its ranking.
+    assert "d4" not in per_query["d4"]["top"]
+    assert per_query["d4"]["top"][0] == "d5"
+    # A sentence from the middle of d6 finds d6, whose chunks are aggregated to one entry.
+    assert per_query["q5"]["top"][0] == "d6"
+    assert per_query["q5"]["top"].count("d6") == 1
+    # Every document is retrieved from a corpus this small.
+    assert result["recall@100"] == 1.0
+    # mean of the per-query figures is the headline
+    mean = sum(row["ndcg@10"] for row in per_query.values()) / 5
+    assert result["ndcg@10"] == pytest.approx(mean, abs=1e-5)
+
+    assert ("corpus", 8, 8) in stages
+    assert stages[-1] == ("queries", 5, 5)
+    console = Console(record=True, width=120)
+    console.print(format_table(result))
+    rendered = console.export_text()
+    assert "vector" in rendered and "reranked" in rendered
+    assert f"{result['ndcg@10']:.4f}" in rendered
+
+
+def test_second_run_reuses_the_collection_and_embeds_nothing(
+    settings: Settings, tei: LocalTEIServer
+) -> None:
+    first = run_evaluation(TINY, settings=settings, rerank=True)
+    tei.stats.reset()
+    second = run_evaluation(TINY, settings=settings, rerank=False)
+    assert second["collection"] == first["collection"]
+    assert second["ingest"]["documents_skipped"] == 8
+    assert second["ingest"]["documents_embedded"] == 0
+    assert second["reranked"] is False
+    assert second["ndcg@10"] == first["without_rerank"]["ndcg@10"]
+    assert not any("rerank" in path for (_method, path) in tei.stats.requests)
+    # Query embeddings plus the fingerprint canaries: no passage was embedded again.
+    embed_requests = sum(n for (_m, path), n in tei.stats.requests.items() if "embed" in path)
+    assert embed_requests <= second["queries"] + 3
+
+
+def test_other_chunking_gets_its_own_collection(settings: Settings) -> None:
+    first = run_evaluation(TINY, settings=settings, rerank=False)
+    other = settings.model_copy(update={"chunk_tokens": 64})
+    second = run_evaluation(TINY, settings=other, rerank=False)
+    assert second["collection"] != first["collection"]
+    assert second["ingest"]["documents_embedded"] == 8
+
+
+def test_cli_function_prints_table_and_json(
+    settings: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from quarry.evaluate import eval_command
+
+    result: dict[str, Any] = eval_command(TINY, settings=settings, rerank=False, as_json=True)
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ndcg@10"] == result["ndcg@10"]
+    assert "ndcg@10" in err and "vector" in err
+    eval_command(TINY, settings=settings, rerank=False, as_json=False)
+    out, _ = capsys.readouterr()
+    assert "vector" in out and f"{result['ndcg@10']:.4f}" in out
+
+
+def test_runs_on_services_it_is_given(settings: Settings) -> None:
+    """The reindex flow evaluates inside its own open_services: local Qdrant allows one client."""
+    from quarry.services import open_services
+
+    with open_services(settings, quiet=True) as services:
+        result = run_evaluation(TINY, settings=settings, rerank=False, services=services)
+        assert services.store.client.collection_exists(result["collection"])
+    assert result["ingest"]["documents_embedded"] == 8
