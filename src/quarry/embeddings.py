@@ -243,9 +243,10 @@ class EmbeddingClient:
 
     # -- embedding -----------------------------------------------------------------------
 
-    def embed_query(self, query: str) -> list[float]:
-        """Embed a search query, formatted by the model's prompt profile and the task."""
-        text = self.profile.format_query(query, self.query_task)
+    def embed_query(self, query: str, task: str | None = None) -> list[float]:
+        """Embed a search query, formatted by the model's prompt profile and ``task``
+        (the index's recorded task; the client's configured one when not given)."""
+        text = self.profile.format_query(query, task or self.query_task)
         return self._post_batch([text], documents=())[0]
 
     def embed_raw(self, texts: Sequence[str]) -> list[list[float]]:

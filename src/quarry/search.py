@@ -268,7 +268,7 @@ class Searcher:
         fingerprint = self.check()
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        vector = self.embedder.embed_query(query)
+        vector = self.embedder.embed_query(query, task=fingerprint.query_task or None)
         timings["embed"] = _ms_since(started)
 
         started = time.perf_counter()
