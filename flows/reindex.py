@@ -12,7 +12,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from quarry.sources import open_source
 
 from flows.ingest import one_writer
 from quarry.chunking import Chunker
@@ -21,6 +20,7 @@ from quarry.errors import Refused
 from quarry.ingest import IndexSync
 from quarry.reindex import reindex
 from quarry.services import open_services
+from quarry.sources import open_source
 from quarry.store import VectorStore
 
 

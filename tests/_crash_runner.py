@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from quarry.sources import open_source
-
 import quarry.ingest
 from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
 from quarry.ingest import IndexSync, run_sync
+from quarry.sources import open_source
 from quarry.store import VectorStore, open_client
 
 CHUNK_TOKENS, CHUNK_OVERLAP, DOCS_PER_BATCH = 48, 8, 3

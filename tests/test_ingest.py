@@ -6,15 +6,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from quarry.chunking import Chunker
-from quarry.sources import open_source
 
 from quarry._http import NO_WAIT
+from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import FingerprintMismatch, MassDeleteRefused, ServingChanged
 from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
+from quarry.sources import open_source
 from quarry.store import VectorStore, open_client
 from tests.conftest import write_corpus
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from qdrant_client import QdrantClient, models
@@ -137,7 +137,13 @@ class VectorStore:
         self, fingerprint: Fingerprint, chunking: Mapping[str, Any], name: str | None = None
     ) -> str:
         """Create a new physical collection for ``fingerprint``; does not touch the alias."""
-        name = name or physical_name(self.alias, fingerprint.model_key)
+        if name is None:
+            # Names are stamped to the second; two rebuilds within one take the next free one.
+            when = datetime.now(UTC)
+            name = physical_name(self.alias, fingerprint.model_key, when)
+            while self.client.collection_exists(name):
+                when += timedelta(seconds=1)
+                name = physical_name(self.alias, fingerprint.model_key, when)
         self.client.create_collection(
             name,
             vectors_config=models.VectorParams(
