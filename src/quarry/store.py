@@ -7,6 +7,7 @@ new one beside it and switches the alias atomically.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +73,9 @@ def open_client(settings: Settings) -> QdrantClient:
         return QdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
     settings.qdrant_path.mkdir(parents=True, exist_ok=True)
     try:
-        return QdrantClient(path=str(settings.qdrant_path))
+        client = QdrantClient(path=str(settings.qdrant_path))
+        tune_local_storage(client)
+        return client
     except RuntimeError as error:
         if "already accessed" in str(error):
             raise local_mode_locked(settings) from error
@@ -88,6 +91,24 @@ def local_mode_locked(settings: Settings) -> StoreLocked:
         "or run a Qdrant server and set QUARRY_QDRANT_URL so several processes "
         "(an ingest and the API) can share the index.",
     )
+
+
+def tune_local_storage(client: QdrantClient) -> None:
+    """Put local-mode Qdrant's SQLite files in WAL mode with ``synchronous=NORMAL``.
+
+    Local mode commits once per point; with SQLite's default rollback journal each
+    commit waits for the disk (about 17 ms a point here), which made an on-disk
+    ingest twenty times slower than embedding. WAL keeps every commit atomic and
+    survives a killed process; only an OS crash can lose the last commits, which
+    the next sync re-does because the index is the ledger. Reaches into
+    qdrant-client's local internals, so it does nothing if they change.
+    """
+    local = getattr(client, "_client", None)
+    for collection in (getattr(local, "collections", None) or {}).values():
+        connection = getattr(getattr(collection, "storage", None), "storage", None)
+        if isinstance(connection, sqlite3.Connection):
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
 
 
 def physical_name(alias: str, model_key: str, when: datetime | None = None) -> str:
@@ -156,7 +177,9 @@ class VectorStore:
                 "quarry_alias": self.alias,
             },
         )
-        if not self.is_local:  # local mode has no payload indexes (and warns if asked)
+        if self.is_local:
+            tune_local_storage(self.client)
+        else:  # local mode has no payload indexes (and warns if asked)
             for field_name, schema in INDEXED_FIELDS.items():
                 self.client.create_payload_index(name, field_name, field_schema=schema, wait=True)
         return name
