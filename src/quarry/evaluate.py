@@ -52,10 +52,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quarry.config import Settings
+from quarry.documents import Document
 from quarry.errors import QuarryError, ServiceError, SourceNotFound, UnreadableDocument
 
 if TYPE_CHECKING:
     from qdrant_client import models
+    from rich.table import Table
 
     from quarry.embeddings import EmbeddingClient
     from quarry.ingest import IndexSync, IngestReport
@@ -323,9 +325,8 @@ def collection_name(dataset: BeirDataset, settings: Settings, identity: Mapping[
     return f"eval-{slug}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
-def _documents(dataset: BeirDataset) -> Iterator[Any]:
-    from quarry.documents import Document
-
+def _documents(dataset: BeirDataset) -> Iterator[Document]:
+    """The corpus as quarry documents, uri ``<dataset>/<corpus id>``; empty entries left out."""
     for entry in dataset.iter_corpus():
         passage = entry.passage
         if not passage.strip():
@@ -350,14 +351,14 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
     if run.progress:
         run.progress("corpus", 0, total)
 
-    def flush(batch: list[Any]) -> None:
+    def flush(batch: list[Document]) -> None:
         nonlocal done
         report.add(sync.write_batch(batch))
         done += len(batch)
         if run.progress:
             run.progress("corpus", done, total)
 
-    batch: list[Any] = []
+    batch: list[Document] = []
     for document in _documents(run.dataset):
         report.documents_seen += 1
         current = state.get(document.doc_id)
@@ -621,7 +622,7 @@ def _run(
 # --------------------------------------------------------------------------- CLI face
 
 
-def format_table(result: Mapping[str, Any]) -> Any:
+def format_table(result: Mapping[str, Any]) -> Table:
     """A rich Table of the result: one row per ranking (vector, and reranked if any)."""
     from rich.table import Table
 
