@@ -137,3 +137,19 @@ def test_rerank_dialect_mismatch_names_the_fix(server_dialect: str, client_diale
     ):
         with pytest.raises(DialectMismatch, match=f"QUARRY_RERANK_DIALECT={server_dialect}"):
             reranker.score("query", ["a passage"])
+
+
+def test_long_inputs_are_split_before_sending_when_the_service_can_count(
+    clean: LocalTEIServer,
+) -> None:
+    long_text = " ".join(f"w{i}" for i in range(80))
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        _ = client.info
+        clean.stats.reset()
+        results = client.embed_passages(["short", long_text])
+    parts = results[1]
+    assert isinstance(parts, list) and len(parts) > 1
+    assert "".join(part.text for part in parts) == long_text
+    requests = clean.stats.requests
+    assert requests.get(("POST", "/tokenize")) == requests.get(("POST", "/v1/embeddings"))
+    assert clean.stats.responses.get(422, 0) == 0  # nothing was sent only to be refused

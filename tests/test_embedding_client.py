@@ -59,7 +59,7 @@ class FakeTEI:
                     "version": "1.9.3",
                 },
             )
-        if self.failures:
+        if self.failures and request.url.path == "/v1/embeddings":
             status = self.failures.pop(0)
             return httpx2.Response(
                 status,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -177,6 +178,7 @@ class EmbeddingClient:
         self._info: ServiceInfo | None = None
         self._info_lock = threading.Lock()
         self.requests_sent = 0
+        self._can_tokenize = True
         self._count_lock = threading.Lock()
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
@@ -282,11 +284,11 @@ class EmbeddingClient:
             results: list[EmbedResult] = []
             rest = itertools.chain([second], batches) if second is not None else batches
             for start, end in itertools.chain([first], rest):
-                results.extend(self._embed_resilient(list(texts[start:end]), names[start:end]))
+                results.extend(self._embed_batch(list(texts[start:end]), names[start:end]))
             return results
         pool = self._shared_pool()
         futures = [
-            pool.submit(self._embed_resilient, list(texts[start:end]), names[start:end])
+            pool.submit(self._embed_batch, list(texts[start:end]), names[start:end])
             for start, end in itertools.chain([first, second], batches)
         ]
         try:
@@ -332,6 +334,55 @@ class EmbeddingClient:
             tokens += text_tokens
         if start < len(texts):
             yield start, len(texts)
+
+    def _embed_batch(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
+        """Embed one sized batch: inputs the service would find too long are split first,
+        so a batch of long chunks costs one /tokenize call instead of a bisection."""
+        pieces = self._presplit(texts)
+        if all(len(parts) == 1 for parts in pieces):
+            return self._embed_resilient(texts, names)
+        flat = [(i, part) for i, parts in enumerate(pieces) for part in parts]
+        results: list[EmbedResult] = [[] for _ in texts]
+        for start in range(0, len(flat), self.batch_size):
+            group = flat[start : start + self.batch_size]
+            outcomes = self._embed_resilient(
+                [part for _, part in group], [names[i] for i, _ in group]
+            )
+            for (i, _), outcome in zip(group, outcomes, strict=True):
+                current = results[i]
+                if isinstance(current, EmbedFailure):
+                    continue
+                if isinstance(outcome, EmbedFailure):
+                    results[i] = outcome
+                else:
+                    current.extend(outcome)
+        return results
+
+    def _presplit(self, texts: list[str]) -> list[list[str]]:
+        """Each input, or its parts when the service's tokenizer counts it over the limit."""
+        limit = self.info.max_input_length
+        if not limit or not self._can_tokenize:
+            return [[text] for text in texts]
+        formatted = [self.profile.format_passage(text) for text in texts]
+        try:
+            answer = request_json(
+                self._http,
+                self._retry,
+                "POST",
+                f"{self.base_url}/tokenize",
+                json_body={"inputs": formatted, "add_special_tokens": True},
+            )
+        except RequestRejected:
+            self._can_tokenize = False  # a gateway without TEI's /tokenize: split on 422 instead
+            return [[text] for text in texts]
+        if not isinstance(answer, list) or len(answer) != len(texts):
+            return [[text] for text in texts]
+        # Aim a little under the limit: parts are cut by characters, counted by proportion.
+        target = max(1, int(limit * 0.9))
+        return [
+            _split_to_fit(text, len(tokens), target) if len(tokens) > limit else [text]
+            for text, tokens in zip(texts, answer, strict=True)
+        ]
 
     def _embed_resilient(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
         profile = self.profile
@@ -459,3 +510,17 @@ def _estimate_tokens(text: str) -> int:
     from quarry.chunking import count_tokens
 
     return int(count_tokens(text) * 1.3) + 2
+
+
+def _split_to_fit(text: str, tokens: int, target: int) -> list[str]:
+    """Halve ``text`` at its strongest boundaries until each part's share of ``tokens``
+    (estimated by characters) fits ``target``; the parts join back to ``text``."""
+    from quarry.chunking import split_in_two
+
+    if tokens <= target or len(text) < 2:
+        return [text]
+    first, second = split_in_two(text)
+    per_char = tokens / len(text)
+    return _split_to_fit(first, math.ceil(len(first) * per_char), target) + _split_to_fit(
+        second, math.ceil(len(second) * per_char), target
+    )
