@@ -45,7 +45,8 @@ def main() -> int:
         print(
             f"   {summary['documents_seen']} documents: {summary['documents_embedded']} embedded "
             f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} embedding "
-            f"requests), {summary['documents_skipped']} unchanged and skipped, "
+            f"requests, one of them the fingerprint's canary), "
+            f"{summary['documents_skipped']} unchanged and skipped, "
             f"{summary['documents_failed']} failed",
             flush=True,
         )
