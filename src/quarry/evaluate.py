@@ -310,15 +310,24 @@ class _Run:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def collection_name(dataset: BeirDataset, settings: Settings, identity: Mapping[str, Any]) -> str:
-    """``eval-<dataset>-<hash>``: one collection per corpus, model, serving stack and chunking."""
+def collection_name(
+    dataset: BeirDataset,
+    *,
+    identity: Mapping[str, Any],
+    chunking: Mapping[str, Any],
+    embed_headings: bool,
+) -> str:
+    """``eval-<dataset>-<hash>``: one collection per corpus, model, serving stack and chunking.
+
+    ``identity`` is the live service's model and serving identity, ``chunking``
+    the chunker's recorded settings (encoding, sizes, version).
+    """
     key = {
         "format": DOCUMENT_FORMAT,
         "corpus": dataset.corpus_digest(),
         "identity": dict(identity),
-        "chunk_tokens": settings.chunk_tokens,
-        "chunk_overlap": settings.chunk_overlap,
-        "embed_headings": settings.embed_headings,
+        "chunking": dict(chunking),
+        "embed_headings": embed_headings,
     }
     blob = json.dumps(key, sort_keys=True, default=str).encode("utf-8")
     slug = re.sub(r"[^A-Za-z0-9_-]+", "-", dataset.name).strip("-")[:40] or "dataset"
@@ -345,7 +354,7 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
 
     report = IngestReport(collection=run.store.alias)
     sync.prepare(report)
-    state = run.store.index_state(run.dataset.name)
+    state = sync.plan_documents(run.dataset.name)
     total = run.dataset.corpus_size()
     done = 0
     if run.progress:
@@ -541,7 +550,14 @@ def _run(
 
     live = read_fingerprint(services.embedder)
     identity = {"model": asdict(live.model), "serving": asdict(live.serving)}
-    store = VectorStore(services.store.client, collection_name(dataset, settings, identity))
+    chunker = Chunker(settings.chunk_tokens, settings.chunk_overlap)
+    name = collection_name(
+        dataset,
+        identity=identity,
+        chunking=chunker.settings,
+        embed_headings=settings.embed_headings,
+    )
+    store = VectorStore(services.store.client, name)
     run = _Run(
         dataset=dataset,
         store=store,
@@ -558,7 +574,7 @@ def _run(
     sync = IndexSync(
         store,
         services.embedder,
-        Chunker(settings.chunk_tokens, settings.chunk_overlap),
+        chunker,
         embed_headings=settings.embed_headings,
         max_delete_fraction=1.0,
         canary_min_cosine=settings.canary_min_cosine,

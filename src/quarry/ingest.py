@@ -166,9 +166,7 @@ class IndexSync:
         The check here is by file (cheap: no file is read); :meth:`clean_source`
         checks again by document once every file has been loaded.
         """
-        state = self.store.index_state(spec.name)
-        self._planned_sources.add(spec.name)
-        self._planned_documents.update(state)
+        state = self.plan_documents(spec.name)
         if full_sync and state:
             present = {uri_for(path, spec) for path in discover(spec)}
             stored_files = {_file_uri(doc.uri) for doc in state.values()}
@@ -176,6 +174,18 @@ class IndexSync:
                 spec, len(stored_files - present), len(stored_files), allow_mass_delete
             )
         return SourcePlan(spec=spec, state=state)
+
+    def plan_documents(self, source: str) -> dict[str, DocState]:
+        """Read the index state of the source named ``source`` and record it as planned.
+
+        :meth:`plan_source` does this for file sources; a caller that feeds
+        documents without files (``quarry eval``) calls it directly, then writes
+        the documents that are not current with :meth:`write_batch`.
+        """
+        state = self.store.index_state(source)
+        self._planned_sources.add(source)
+        self._planned_documents.update(state)
+        return state
 
     def is_current(self, plan: SourcePlan, document: Document) -> bool:
         """True when ``document`` is indexed as it is now, so it needs no embedding."""
