@@ -154,7 +154,7 @@ def plot_specs(
                     pipes[n]["again_seconds"] for n in labels if pipes[n].get("again_seconds")
                 ],
                 "notes": [
-                    _again_note(pipes[n]["family"], pipes[n]["again_inputs"])
+                    _again_note(pipes[n]["again_inputs"])
                     for n in labels
                     if pipes[n].get("again_seconds")
                 ],
@@ -184,9 +184,7 @@ def plot_specs(
     return specs
 
 
-def _again_note(family: str, inputs: int) -> str:
-    if family == "quarry" and inputs == 1:
-        return "nothing re-embedded (1 canary input)"
+def _again_note(inputs: int) -> str:
     return "nothing re-embedded" if inputs == 0 else f"{inputs} chunks re-embedded"
 
 
@@ -602,9 +600,9 @@ def _ingest_findings(r: dict[str, Any]) -> list[str]:
         )
     if mem.get("again_seconds"):
         lines.append(
-            f"- quarry's re-ingest embeds no passage: its one request (one input) is the "
-            "fingerprint canary, which checks that the service still serves the model the "
-            "collection was built with (tests/test_flow_ingest.py expects it). The "
+            f"- quarry's re-ingest sent {mem['again_requests']} embedding requests: `/info` "
+            "settles the model and serving identity, and the fingerprint canary is embedded "
+            "only before a run's first passage (tests/test_flow_ingest.py expects zero). The "
             f"{mem['again_seconds']:.1f} s go to reading and hashing every file and reading "
             "every point's state from Qdrant."
         )

@@ -69,6 +69,6 @@ def test_answers_rank_first_and_rerun_embeds_nothing(tmp_path: Path) -> None:
     second = ingest_flow(sources=[str(corpus)], collection="e2e")
     assert second["documents_embedded"] == 0
     assert second["documents_skipped"] == len(CORPUS)
-    assert second["embedding_requests"] == 1  # the fingerprint's canary, nothing else
+    assert second["embedding_requests"] == 0  # nothing to embed, not even the canary
     with open_services(settings, quiet=True) as services:
         assert services.store.count() == before

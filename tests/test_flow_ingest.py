@@ -50,7 +50,7 @@ def test_flow_ingests_then_skips_unchanged(
     second = ingest_flow(sources=[str(corpus)], collection="flowtest")
     assert second["documents_skipped"] == 70
     assert second["documents_embedded"] == 0
-    assert second["embedding_requests"] == 1  # the canary only
+    assert second["embedding_requests"] == 0  # nothing to embed, not even the canary
 
 
 def test_flow_publishes_a_markdown_artifact(

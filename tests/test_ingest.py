@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import FingerprintMismatch, MassDeleteRefused, ServingChanged
+from quarry.errors import CanaryMismatch, FingerprintMismatch, MassDeleteRefused, ServingChanged
 from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.sources import open_source
@@ -40,9 +41,14 @@ class Harness:
         self.root = write_corpus(tmp_path / "corpus", CORPUS)
         self.url = url
 
-    def run(self, url: str | None = None, **kwargs: object) -> IngestReport:
+    def run(
+        self,
+        url: str | None = None,
+        transport: httpx2.BaseTransport | None = None,
+        **kwargs: object,
+    ) -> IngestReport:
         store = VectorStore(open_client(self.settings), "test")
-        embedder = EmbeddingClient(url or self.url, retry=NO_WAIT)
+        embedder = EmbeddingClient(url or self.url, retry=NO_WAIT, transport=transport)
         sync = IndexSync(
             store,
             embedder,
@@ -93,9 +99,9 @@ def test_rerun_on_unchanged_files_makes_no_embedding_request(
     assert report.documents_skipped == 4
     assert report.documents_embedded == 0
     embeds = sum(count for (method, path), count in tei.stats.requests.items() if "embed" in path)
-    # Only the canary of the fingerprint check; no passage is embedded again.
-    assert report.embedding_requests == 1
-    assert embeds == 1
+    # Nothing to embed, so not even the canary: /info alone checks the model.
+    assert report.embedding_requests == 0
+    assert embeds == 0
     assert harness.points().keys() == before.keys()
 
 
@@ -156,6 +162,36 @@ def test_another_model_is_refused_naming_both(harness: Harness) -> None:
         with pytest.raises(FingerprintMismatch, match="quarry reindex") as caught:
             harness.run(url=other.url)
     assert "seed" in str(caught.value) or "hash" in str(caught.value)
+
+
+class _SwappedVectors(httpx2.BaseTransport):
+    """A service that claims one model in /info but embeds with another (a silent swap)."""
+
+    def __init__(self, claimed: str, actual: str) -> None:
+        self._http = httpx2.HTTPTransport()
+        self._claimed = httpx2.URL(claimed)
+        self._actual = httpx2.URL(actual)
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        target = self._actual if request.url.path in ("/embed", "/v1/embeddings") else self._claimed
+        request.url = request.url.copy_with(host=target.host, port=target.port)
+        return self._http.handle_request(request)
+
+
+def test_silent_model_swap_is_refused_before_anything_is_written(
+    harness: Harness, tei: LocalTEIServer
+) -> None:
+    harness.run()
+    before = harness.points()
+    (harness.root / "alpha.md").write_text("# Alpha\n\nAlpha, rewritten.")
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+        swapped = _SwappedVectors(tei.url, other.url)
+        with pytest.raises(CanaryMismatch, match="canary"):
+            harness.run(transport=swapped)
+        # With nothing to embed, nothing could be written with the wrong model.
+        (harness.root / "alpha.md").write_text(CORPUS["alpha.md"])
+        assert harness.run(transport=swapped).documents_skipped == 4
+    assert harness.points() == before
 
 
 def test_engine_upgrade_is_refused_until_allowed(harness: Harness) -> None:

@@ -42,10 +42,16 @@ def main() -> int:
         settings = get_settings(embed_url=embed_url)
         print(f"== Indexing {docs} into collection {settings.collection!r}", flush=True)
         summary = ingest_flow(sources=[str(docs)], collection=settings.collection)
+        requests = summary["embedding_requests"]
+        # The canary is embedded only when something else is: a rerun sends nothing.
+        spent = (
+            f"{requests} embedding requests, one of them the fingerprint's canary"
+            if requests
+            else "no embedding request"
+        )
         print(
             f"   {summary['documents_seen']} documents: {summary['documents_embedded']} embedded "
-            f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} embedding "
-            f"requests, one of them the fingerprint's canary), "
+            f"({summary['chunks_embedded']} chunks, {spent}), "
             f"{summary['documents_skipped']} unchanged and skipped, "
             f"{summary['documents_failed']} failed",
             flush=True,

@@ -9,6 +9,7 @@ killed at any moment and run again converges on the same index as one clean run.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,12 @@ from quarry.chunking import Chunker
 from quarry.documents import Chunk, Document, point_id
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
 from quarry.errors import MassDeleteRefused, QuarryError
-from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
+from quarry.fingerprint import (
+    Fingerprint,
+    build_fingerprint,
+    check_compatible,
+    read_fingerprint,
+)
 from quarry.sources import LoadFailure, SourceSpec, discover, iter_documents, uri_for
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
@@ -124,39 +130,85 @@ class IndexSync:
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
         self._planned_documents: set[str] = set()
+        # The canary of an existing collection is checked before the first embedding.
+        self._canary_lock = threading.Lock()
+        self._stored: Fingerprint | None = None
+        self._accepted_serving: list[Mapping[str, Any]] = []
+        self._canary_error: QuarryError | None = None
 
     # -- before: fingerprint and plan ----------------------------------------------------
 
     def prepare(self, report: IngestReport) -> Fingerprint:
-        """Read the live fingerprint; create the collection or refuse an incompatible one."""
+        """Check the live service against the collection, or create the collection.
+
+        ``/info`` settles model and serving identity here. The canary (an embedding
+        request) is checked just before the first passage is embedded
+        (:meth:`verify_canary`), so a run with nothing to embed sends no embedding
+        request at all, and a run that does embed writes nothing until it passes.
+        """
         self._requests_at_start = self.embedder.requests_sent
-        live = read_fingerprint(self.embedder)
         if not self.store.exists():
+            live = read_fingerprint(self.embedder)
             self.store.create(live, self.chunker.settings)
             report.notes.append(
                 f"created collection {self.store.alias!r} for {live.model.describe()}"
             )
-        else:
-            stored = self.store.fingerprint()
-            if stored is not None:
-                metadata = self.store.metadata()
-                check_compatible(
-                    stored,
-                    live,
-                    collection=self.store.alias,
-                    accepted_serving=metadata.get(META_ACCEPTED_SERVING) or [],
-                    allow_serving_change=self.allow_serving_change,
-                    min_canary_cosine=self.canary_min_cosine,
-                )
-                recorded = metadata.get(META_CHUNKING)
-                if recorded is not None and dict(recorded) != dict(self.chunker.settings):
-                    self.rechunk_all = True
-                    report.notes.append(
-                        f"chunking settings changed ({recorded} -> {self.chunker.settings}): "
-                        "every document is re-chunked and re-embedded in this run"
-                    )
-        self.fingerprint = live
-        return live
+            self.fingerprint = live
+            return live
+        stored = self.store.fingerprint()
+        if stored is None:
+            # A collection quarry did not create: nothing to compare with.
+            self.fingerprint = read_fingerprint(self.embedder)
+            return self.fingerprint
+        metadata = self.store.metadata()
+        self._accepted_serving = list(metadata.get(META_ACCEPTED_SERVING) or [])
+        # What the service claims, with the stored canary standing in for its own:
+        # dimensions and normalisation are the stored ones until the canary is read.
+        claimed = build_fingerprint(
+            self.embedder.info, stored.canary, self.embedder.profile.name, self.embedder.query_task
+        )
+        self._check(stored, claimed)
+        self._stored = stored
+        recorded = metadata.get(META_CHUNKING)
+        if recorded is not None and dict(recorded) != dict(self.chunker.settings):
+            self.rechunk_all = True
+            report.notes.append(
+                f"chunking settings changed ({recorded} -> {self.chunker.settings}): "
+                "every document is re-chunked and re-embedded in this run"
+            )
+        self.fingerprint = claimed
+        return claimed
+
+    def verify_canary(self) -> None:
+        """Embed the canary and compare it with the stored one, once per run.
+
+        Raises CanaryMismatch (or FingerprintMismatch, when the vectors' size or
+        normalisation changed) before anything is written; every later call
+        raises the same error without asking the service again.
+        """
+        with self._canary_lock:
+            if self._canary_error is not None:
+                raise self._canary_error
+            if self._stored is None:
+                return
+            live = read_fingerprint(self.embedder)
+            try:
+                self._check(self._stored, live)
+            except QuarryError as error:
+                self._canary_error = error
+                raise
+            self.fingerprint = live
+            self._stored = None
+
+    def _check(self, stored: Fingerprint, live: Fingerprint) -> None:
+        check_compatible(
+            stored,
+            live,
+            collection=self.store.alias,
+            accepted_serving=self._accepted_serving,
+            allow_serving_change=self.allow_serving_change,
+            min_canary_cosine=self.canary_min_cosine,
+        )
 
     def plan_source(
         self, spec: SourceSpec, *, full_sync: bool, allow_mass_delete: bool
@@ -220,6 +272,8 @@ class IndexSync:
             for chunk in chunks:
                 texts.append(self._embedding_text(chunk))
                 owners.append(document.uri)
+        if texts:
+            self.verify_canary()
         embedded = self.embedder.embed_passages(texts, documents=owners)
 
         points: list[models.PointStruct] = []
