@@ -150,6 +150,55 @@ def test_long_inputs_are_split_before_sending_when_the_service_can_count(
     parts = results[1]
     assert isinstance(parts, list) and len(parts) > 1
     assert "".join(part.text for part in parts) == long_text
-    requests = clean.stats.requests
-    assert requests.get(("POST", "/tokenize")) == requests.get(("POST", "/v1/embeddings"))
+    assert clean.stats.requests.get(("POST", "/tokenize")) == 1  # for the long input only
     assert clean.stats.responses.get(422, 0) == 0  # nothing was sent only to be refused
+
+
+def _tokenize_calls(server: LocalTEIServer) -> int:
+    return server.stats.requests.get(("POST", "/tokenize"), 0)
+
+
+def test_inputs_that_fit_by_their_bytes_are_not_counted(clean: LocalTEIServer) -> None:
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        _ = client.info
+        clean.stats.reset()
+        results = client.embed_passages(["short", "tiny one", "a few words"] * 3)
+    assert all(isinstance(r, list) and len(r) == 1 for r in results)
+    assert _tokenize_calls(clean) == 0
+
+
+def test_counting_stops_once_the_densest_input_seen_leaves_room(clean: LocalTEIServer) -> None:
+    # ~15 tokens in ~70 bytes: over the 32-token limit by bytes, well under it by count.
+    medium = [" ".join(f"w{i}x{j}" for j in range(13)) for i in range(40)]
+    assert all(len(text) + 8 > LIMITS["max_input_length"] for text in medium)
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        _ = client.info
+        clean.stats.reset()
+        client.embed_passages(medium)
+        learning = _tokenize_calls(clean)
+        clean.stats.reset()
+        again = client.embed_passages(medium)
+        long_text = " ".join(f"w{i}" for i in range(80))
+        split = client.embed_passages([long_text])
+    assert learning > 0
+    assert all(isinstance(r, list) and len(r) == 1 for r in again)
+    assert _tokenize_calls(clean) == 1  # the long input only: it may not fit
+    parts = split[0]
+    assert isinstance(parts, list) and len(parts) > 1
+    assert "".join(part.text for part in parts) == long_text
+
+
+def test_an_input_denser_than_estimated_is_still_split_not_truncated(
+    clean: LocalTEIServer,
+) -> None:
+    sparse = [" ".join(f"word{i}x{j}" for j in range(4)) for i in range(40)]
+    dense = " ".join("a" for _ in range(45))  # 45 tokens in 89 bytes: twice as dense
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        client.embed_passages(sparse)
+        clean.stats.reset()
+        results = client.embed_passages([dense])
+    parts = results[0]
+    assert isinstance(parts, list) and len(parts) > 1
+    assert "".join(part.text for part in parts) == dense
+    assert _tokenize_calls(clean) == 0  # the estimate let it through...
+    assert clean.stats.responses.get(422, 0) >= 1  # ...and the service's 422 split it

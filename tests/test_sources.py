@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -389,3 +390,30 @@ def test_symlink_loop_inside_the_root_terminates(tmp_path: Path) -> None:
     (tmp_path / "a" / "loop").symlink_to(tmp_path / "a", target_is_directory=True)
     paths = [p.relative_to(tmp_path).as_posix() for p in discover(open_source(tmp_path))]
     assert paths == ["a/doc.md"]
+
+
+def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quarry.sources as sources
+
+    outside = tmp_path / "outside.md"
+    outside.write_text("# Secret\n\nDo not index.\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.md").write_text("# A\n\nfine\n")
+    victim = root / "b.md"
+    victim.write_text("# B\n\nfine\n")
+    walk = sources._walk
+
+    def walk_then_swap(spec: SourceSpec) -> Iterator[object]:
+        listed = list(walk(spec))
+        victim.unlink()
+        victim.symlink_to(outside)
+        yield from listed
+
+    monkeypatch.setattr(sources, "_walk", walk_then_swap)
+    items = list(iter_documents(open_source(root)))
+    assert [d.uri for d in items if not isinstance(d, LoadFailure)] == ["root/a.md"]
+    [failure] = [f for f in items if isinstance(f, LoadFailure)]
+    assert failure.uri == "root/b.md" and "symlink" in failure.error

@@ -23,7 +23,7 @@ import openai
 import tenacity
 from qdrant_client import AsyncQdrantClient, models
 
-from quarry._http import RetryPolicy, TransientFailure, raise_for_status
+from quarry._http import RetryPolicy, TransientFailure, raise_for_status, tls_context
 from quarry.config import DEFAULT_QUERY_TASK, Settings
 from quarry.embeddings import (
     DEFAULT_BATCH_SIZE,
@@ -176,14 +176,20 @@ class AsyncEmbeddingClient:
         self._profile_override = prompt_profile
         self._dialect = dialect
         self._http = httpx2.AsyncClient(
-            transport=transport, timeout=timeout, headers=bearer_headers(api_key), limits=_LIMITS
+            transport=transport,
+            timeout=timeout,
+            headers=bearer_headers(api_key),
+            verify=tls_context(),
+            limits=_LIMITS,
         )
         self._openai = openai.AsyncOpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=api_key or "unused",
             max_retries=0,
             timeout=timeout,
-            http_client=httpx2.AsyncClient(transport=transport, timeout=timeout, limits=_LIMITS),
+            http_client=httpx2.AsyncClient(
+                transport=transport, timeout=timeout, limits=_LIMITS, verify=tls_context()
+            ),
         )
         self._info: ServiceInfo | None = None
         self._info_lock = asyncio.Lock()
@@ -326,7 +332,11 @@ class AsyncRerankClient:
         self._batch_size = batch_size
         self._model = model
         self._http = httpx2.AsyncClient(
-            transport=transport, timeout=timeout, headers=bearer_headers(api_key), limits=_LIMITS
+            transport=transport,
+            timeout=timeout,
+            headers=bearer_headers(api_key),
+            verify=tls_context(),
+            limits=_LIMITS,
         )
         self._info: ServiceInfo | None = None
         self._info_loaded = False

@@ -28,6 +28,7 @@ from quarry._http import (
     call_with_retries,
     raise_for_status,
     request_json,
+    tls_context,
 )
 from quarry.config import DEFAULT_QUERY_TASK
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceError
@@ -35,6 +36,13 @@ from quarry.prompts import ProfileName, PromptProfile, profile_for_model
 
 # TEI rejects bodies over 2 MB by default; stay well clear of it.
 MAX_BODY_BYTES = 1_500_000
+# Pre-splitting: an input is sent to /tokenize unless it surely fits. It surely fits when
+# its bytes plus this many special tokens are within max_input_length, or, once this many
+# inputs have been counted, when its bytes at the densest tokens-per-byte seen so far,
+# times the margin, are.
+_SPECIAL_TOKENS_ALLOWANCE = 8
+_DENSITY_SAMPLES = 32
+_DENSITY_MARGIN = 1.25
 DEFAULT_BATCH_SIZE = 32
 
 EmbedDialect = Literal["auto", "tei", "openai"]
@@ -166,19 +174,25 @@ class EmbeddingClient:
         self.query_task = query_task
         self._dialect = dialect
         self._http = httpx2.Client(
-            transport=transport, timeout=timeout, headers=bearer_headers(api_key)
+            transport=transport,
+            timeout=timeout,
+            headers=bearer_headers(api_key),
+            verify=tls_context(),
         )
         self._openai = openai.OpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=api_key or "unused",
             max_retries=0,
             timeout=timeout,
-            http_client=httpx2.Client(transport=transport, timeout=timeout),
+            http_client=httpx2.Client(transport=transport, timeout=timeout, verify=tls_context()),
         )
         self._info: ServiceInfo | None = None
         self._info_lock = threading.Lock()
         self.requests_sent = 0
         self._can_tokenize = True
+        # The most tokens per byte /tokenize has reported, and over how many inputs.
+        self._densest = 0.0
+        self._density_samples = 0
         self._count_lock = threading.Lock()
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
@@ -359,30 +373,60 @@ class EmbeddingClient:
         return results
 
     def _presplit(self, texts: list[str]) -> list[list[str]]:
-        """Each input, or its parts when the service's tokenizer counts it over the limit."""
+        """Each input, or its parts when the service's tokenizer counts it over the limit.
+
+        Only inputs that might be too long are sent to ``/tokenize``: its answer (every
+        token with its text and offsets) costs far more to build and parse than the
+        embedding itself. An input that fits by its bytes alone, or by the densest
+        tokens-per-byte ratio seen so far with a margin, goes straight to ``/embed``;
+        if the estimate is ever wrong the service's 422 still splits it.
+        """
         limit = self.info.max_input_length
+        pieces = [[text] for text in texts]
         if not limit or not self._can_tokenize:
-            return [[text] for text in texts]
+            return pieces
         formatted = [self.profile.format_passage(text) for text in texts]
+        sizes = [len(text.encode("utf-8")) for text in formatted]
+        unsure = [i for i, size in enumerate(sizes) if not self._surely_fits(size, limit)]
+        if not unsure:
+            return pieces
         try:
             answer = request_json(
                 self._http,
                 self._retry,
                 "POST",
                 f"{self.base_url}/tokenize",
-                json_body={"inputs": formatted, "add_special_tokens": True},
+                json_body={"inputs": [formatted[i] for i in unsure], "add_special_tokens": True},
             )
         except RequestRejected:
             self._can_tokenize = False  # a gateway without TEI's /tokenize: split on 422 instead
-            return [[text] for text in texts]
-        if not isinstance(answer, list) or len(answer) != len(texts):
-            return [[text] for text in texts]
+            return pieces
+        if not isinstance(answer, list) or len(answer) != len(unsure):
+            return pieces
+        counted = list(zip(unsure, answer, strict=True))
+        self._learn_density([(sizes[i], len(tokens)) for i, tokens in counted])
         # Aim a little under the limit: parts are cut by characters, counted by proportion.
         target = max(1, int(limit * 0.9))
-        return [
-            _split_to_fit(text, len(tokens), target) if len(tokens) > limit else [text]
-            for text, tokens in zip(texts, answer, strict=True)
-        ]
+        for i, tokens in counted:
+            if len(tokens) > limit:
+                pieces[i] = _split_to_fit(texts[i], len(tokens), target)
+        return pieces
+
+    def _surely_fits(self, size: int, limit: int) -> bool:
+        # No tokenizer in use emits more tokens than the input has bytes (byte-level BPE,
+        # WordPiece and SentencePiece tokens each cover at least one), plus specials.
+        if size + _SPECIAL_TOKENS_ALLOWANCE <= limit:
+            return True
+        with self._count_lock:
+            density, seen = self._densest, self._density_samples
+        return seen >= _DENSITY_SAMPLES and size * density * _DENSITY_MARGIN <= limit
+
+    def _learn_density(self, counted: Sequence[tuple[int, int]]) -> None:
+        with self._count_lock:
+            for size, tokens in counted:
+                if size > 0:
+                    self._densest = max(self._densest, tokens / size)
+                    self._density_samples += 1
 
     def _embed_resilient(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
         profile = self.profile

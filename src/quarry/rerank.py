@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import httpx2
 
-from quarry._http import RetryPolicy, request_json
+from quarry._http import RetryPolicy, request_json, tls_context
 from quarry.embeddings import ServiceInfo, bearer_headers, fetch_info
 from quarry.errors import BadResponse, InputTooLong
 
@@ -48,7 +48,10 @@ class RerankClient:
         self._batch_size = batch_size
         self._model = model
         self._http = httpx2.Client(
-            transport=transport, timeout=timeout, headers=bearer_headers(api_key)
+            transport=transport,
+            timeout=timeout,
+            headers=bearer_headers(api_key),
+            verify=tls_context(),
         )
         self._info: ServiceInfo | None = None
         self._info_loaded = False

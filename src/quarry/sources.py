@@ -24,6 +24,7 @@ missing from the index).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any
 
 from quarry.documents import Document
@@ -153,6 +155,19 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(out), re.IGNORECASE | re.DOTALL)
 
 
+# Matches nothing: the glob set of a source that excludes nothing.
+_NOTHING = re.compile(r"(?!)")
+
+
+def _any_glob(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regex that fully matches what any of ``patterns`` matches (one scan per path)."""
+    if not patterns:
+        return _NOTHING
+    return re.compile(
+        "|".join(f"(?:{_glob_regex(p).pattern})" for p in patterns), re.IGNORECASE | re.DOTALL
+    )
+
+
 def _escape_glob(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
@@ -169,12 +184,8 @@ class SourceSpec:
     include: tuple[str, ...] = DEFAULT_INCLUDE
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     name: str = ""
-    _include_re: tuple[re.Pattern[str], ...] = field(
-        init=False, repr=False, compare=False, default=()
-    )
-    _exclude_re: tuple[re.Pattern[str], ...] = field(
-        init=False, repr=False, compare=False, default=()
-    )
+    _include_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
+    _exclude_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
 
     def __post_init__(self) -> None:
         root = Path(self.root).resolve()
@@ -183,8 +194,8 @@ class SourceSpec:
         object.__setattr__(self, "exclude", tuple(self.exclude))
         if not self.name:
             object.__setattr__(self, "name", root.name or "root")
-        object.__setattr__(self, "_include_re", tuple(_glob_regex(g) for g in self.include))
-        object.__setattr__(self, "_exclude_re", tuple(_glob_regex(g) for g in self.exclude))
+        object.__setattr__(self, "_include_re", _any_glob(self.include))
+        object.__setattr__(self, "_exclude_re", _any_glob(self.exclude))
 
     @property
     def uri_prefix(self) -> str:
@@ -193,16 +204,13 @@ class SourceSpec:
 
     def includes(self, rel: str) -> bool:
         """Whether a file at posix path ``rel`` (relative to the root) is part of the source."""
-        return any(p.fullmatch(rel) for p in self._include_re) and not self.excludes(rel)
+        return self._include_re.fullmatch(rel) is not None and not self.excludes(rel)
 
     def excludes(self, rel: str) -> bool:
         """Whether ``rel`` (a file, or a directory given with a trailing ``/``) is excluded."""
-        if any(p.fullmatch(rel) for p in self._exclude_re):
+        if self._exclude_re.fullmatch(rel) is not None:
             return True
-        if rel.endswith("/"):
-            bare = rel[:-1]
-            return any(p.fullmatch(bare) for p in self._exclude_re)
-        return False
+        return rel.endswith("/") and self._exclude_re.fullmatch(rel[:-1]) is not None
 
 
 def open_source(
@@ -253,12 +261,24 @@ def _inside(target: Path, root: Path) -> bool:
     return target == root or target.is_relative_to(root)
 
 
-def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
-    """Every candidate file, sorted by relative path, with a reason when it must be skipped."""
+@dataclass(frozen=True, slots=True)
+class _Found:
+    rel: str  # posix path relative to the root
+    path: Path  # as found under the root
+    problem: str | None = None  # why it must be skipped
+    real: Path | None = None  # what to open: the path, or a symlink's target inside the root
+
+
+def _walk(spec: SourceSpec) -> Iterator[_Found]:
+    """Every candidate file, sorted by relative path.
+
+    A file without a ``problem`` has ``real`` set: a regular file inside the root
+    (a symlink to one is resolved to it here).
+    """
     root = spec.root
     # Patterns without "/" or "**" only match files directly under the root.
     descend = any("/" in g or "**" in g for g in spec.include)
-    found: list[tuple[str, Path, str | None]] = []
+    found: list[_Found] = []
     visited: set[Path] = {root}
     stack: list[tuple[Path, str]] = [(root, "")]
     while stack:
@@ -266,7 +286,7 @@ def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
         try:
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as exc:
-            found.append((prefix, folder, f"cannot list directory: {exc.strerror or exc}"))
+            found.append(_Found(prefix, folder, f"cannot list directory: {exc.strerror or exc}"))
             continue
         for entry in entries:
             rel = prefix + entry.name
@@ -277,7 +297,7 @@ def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
                     target = path.resolve()
                     if not target.exists():
                         if spec.includes(rel):
-                            found.append((rel, path, "broken symlink"))
+                            found.append(_Found(rel, path, "broken symlink"))
                         continue
                     if not _inside(target, root):
                         is_dir = target.is_dir()
@@ -285,7 +305,11 @@ def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
                             not is_dir and spec.includes(rel)
                         ):
                             found.append(
-                                (rel, path, "symlink points outside the source root; not followed")
+                                _Found(
+                                    rel,
+                                    path,
+                                    "symlink points outside the source root; not followed",
+                                )
                             )
                         continue
                     if target.is_dir():
@@ -294,6 +318,7 @@ def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
                         visited.add(target)
                         stack.append((path, rel + "/"))
                         continue
+                    real = target
                 elif entry.is_dir(follow_symlinks=False):
                     if not descend or spec.excludes(rel + "/"):
                         continue
@@ -305,14 +330,15 @@ def _walk(spec: SourceSpec) -> Iterator[tuple[Path, str | None]]:
                     continue
                 elif not entry.is_file(follow_symlinks=False):
                     continue  # sockets, fifos, devices
+                else:
+                    real = path
             except OSError as exc:
-                found.append((rel, path, f"cannot read: {exc.strerror or exc}"))
+                found.append(_Found(rel, path, f"cannot read: {exc.strerror or exc}"))
                 continue
             if spec.includes(rel):
-                found.append((rel, path, None))
-    found.sort(key=lambda item: item[0])
-    for _, path, problem in found:
-        yield path, problem
+                found.append(_Found(rel, path, real=real))
+    found.sort(key=lambda item: item.rel)
+    yield from found
 
 
 def discover(spec: SourceSpec) -> Iterator[Path]:
@@ -321,9 +347,9 @@ def discover(spec: SourceSpec) -> Iterator[Path]:
     Never follows a symlink out of the root (such links are left out; they are
     reported by :func:`iter_documents`) and never descends an excluded directory.
     """
-    for path, problem in _walk(spec):
-        if problem is None:
-            yield path
+    for found in _walk(spec):
+        if found.problem is None:
+            yield found.path
 
 
 # ---------------------------------------------------------------------------
@@ -463,22 +489,45 @@ def load_document(
         raise _fail(uri, f"cannot open: {getattr(exc, 'strerror', None) or exc}") from None
     if not _inside(real, spec.root):
         raise _fail(uri, "symlink points outside the source root; not followed")
-    if real.is_dir():
-        raise _fail(uri, "is a directory")
+    return _load_file(path, uri, max_file_bytes=max_file_bytes)
+
+
+def _load_file(
+    path: Path,
+    uri: str,
+    *,
+    name: Path | None = None,
+    max_file_bytes: int,
+    no_follow: bool = False,
+) -> list[Document]:
+    """Load a file whose place in the source is settled; ``no_follow`` refuses a symlink.
+
+    ``name`` (default ``path``) gives the content type and the fallback title.
+
+    The walk has already checked where its files are, so :func:`iter_documents`
+    skips resolving each path again (one lstat per path component) and opens with
+    ``O_NOFOLLOW`` instead, which also refuses a file swapped for a symlink since.
+    """
+    flags = os.O_RDONLY | (os.O_NOFOLLOW if no_follow else 0)
     try:
-        stat = real.stat()
-        if stat.st_size > max_file_bytes:
-            raise _fail(
-                uri,
-                f"file is {stat.st_size} bytes, over the {max_file_bytes}-byte limit "
-                "(QUARRY_MAX_FILE_BYTES); skipped",
-            )
-        with real.open("rb") as handle:
+        with open(os.open(path, flags), "rb") as handle:
+            stat = os.fstat(handle.fileno())
+            if S_ISDIR(stat.st_mode):
+                raise _fail(uri, "is a directory")
+            if stat.st_size > max_file_bytes:
+                raise _fail(
+                    uri,
+                    f"file is {stat.st_size} bytes, over the {max_file_bytes}-byte limit "
+                    "(QUARRY_MAX_FILE_BYTES); skipped",
+                )
             data = handle.read(max_file_bytes + 1)
     except OSError as exc:
+        if no_follow and exc.errno == errno.ELOOP:
+            raise _fail(uri, "became a symlink after the folder was listed; not followed") from None
         raise _fail(uri, f"cannot read: {exc.strerror or exc}") from None
     if len(data) > max_file_bytes:
         raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
+    path = name or path
     volatile: dict[str, Any] = {"mtime": _mtime_iso(stat), "size": len(data)}
     if not data.strip():
         return []  # empty: nothing to index, nothing wrong (see the module docstring)
@@ -559,16 +608,15 @@ def iter_documents(
     Never raises for a single file: binary, too large, undecodable, broken
     files and symlinks out of the root are reported and the walk goes on.
     """
-    for path, problem in _walk(spec):
-        try:
-            uri = uri_for(path, spec)
-        except ValueError:  # pragma: no cover - _walk only yields paths under the root
-            uri = f"{spec.name}/{path.name}"
-        if problem is not None:
-            yield LoadFailure(uri, problem)
+    for found in _walk(spec):
+        uri = f"{spec.name}/{found.rel}"
+        if found.problem is not None or found.real is None:
+            yield LoadFailure(uri, found.problem or "cannot read")
             continue
         try:
-            yield from load_document(path, spec, max_file_bytes=max_file_bytes)
+            yield from _load_file(
+                found.real, uri, name=found.path, max_file_bytes=max_file_bytes, no_follow=True
+            )
         except UnreadableDocument as exc:
             yield LoadFailure(exc.uri, _message(exc))
         except Exception as exc:  # a bad file must never stop the run
