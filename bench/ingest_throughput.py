@@ -60,8 +60,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -234,42 +232,19 @@ def run_quarry(
     }
 
 
-@contextmanager
-def sqlite_wal() -> Iterator[None]:
-    """What-if: local-mode Qdrant's SQLite in WAL mode with ``synchronous=NORMAL``.
-
-    qdrant-client's local mode commits once per point; with the default rollback
-    journal every commit is an fsync. This patches its persistence class for the
-    duration of the block only; quarry does not do this (store.py would have to).
-    """
-    from qdrant_client.local import persistence
-
-    original = persistence.CollectionPersistence.__init__
-
-    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        self.storage.execute("PRAGMA journal_mode=WAL")
-        self.storage.execute("PRAGMA synchronous=NORMAL")
-
-    persistence.CollectionPersistence.__init__ = patched  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        persistence.CollectionPersistence.__init__ = original  # type: ignore[method-assign]
-
-
 def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
     """CPU seconds of quarry's client-side stages, each alone on one thread, for the corpus.
 
     Loading (read, normalise, hash), chunking (tiktoken), and writing the points of the
     in-memory run again into a new in-memory collection and, for a sample of 256, into
-    local mode on disk (wall time per point: one SQLite commit each).
+    local mode on disk as quarry opens it (SQLite in WAL mode; wall time per point).
     """
     from qdrant_client import QdrantClient, models
 
     from quarry.chunking import Chunker, count_tokens
     from quarry.documents import Document
     from quarry.sources import iter_documents, open_source
+    from quarry.store import tune_local_storage
 
     out: dict[str, Any] = {}
     started = time.process_time()
@@ -305,16 +280,14 @@ def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
         target.upsert("budget", points=points[i : i + 256], wait=True)
     out["upsert_memory_cpu_s"] = time.process_time() - started
     sample = points[:256]
-    for name, wal in (("disk", False), ("disk_wal", True)):
-        folder = work / f"budget-{name}"
-        with sqlite_wal() if wal else nullcontext():
-            disk = QdrantClient(path=str(folder))
-            disk.create_collection("budget", vectors_config=params)
-            started, cpu = time.perf_counter(), time.process_time()
-            disk.upsert("budget", points=sample, wait=True)
-            out[f"upsert_{name}_ms_per_point"] = (time.perf_counter() - started) * 1e3 / len(sample)
-            out[f"upsert_{name}_cpu_ms_per_point"] = (time.process_time() - cpu) * 1e3 / len(sample)
-            disk.close()
+    disk = QdrantClient(path=str(work / "budget-disk"))
+    disk.create_collection("budget", vectors_config=params)
+    tune_local_storage(disk)
+    started, cpu = time.perf_counter(), time.process_time()
+    disk.upsert("budget", points=sample, wait=True)
+    out["upsert_disk_ms_per_point"] = (time.perf_counter() - started) * 1e3 / len(sample)
+    out["upsert_disk_cpu_ms_per_point"] = (time.process_time() - cpu) * 1e3 / len(sample)
+    disk.close()
     out["points"] = len(points)
     out["documents"] = len(docs)
     return out
@@ -595,10 +568,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs["quarry-memory"] = run_quarry(tei, corpus_dir, "memory", work / "unused", kept)
             if not args.no_disk:
                 runs["quarry-disk"] = run_quarry(tei, corpus_dir, "disk", work / "quarry-data")
-                with sqlite_wal():
-                    runs["quarry-disk-wal"] = run_quarry(
-                        tei, corpus_dir, "disk", work / "quarry-data-wal"
-                    )
             capacity()
             budget = cpu_budget(corpus_dir, kept["client"], work)
             log(f"quarry's client-side CPU, stage by stage: {budget}")
@@ -668,12 +637,11 @@ def summarise(
     for name, run in runs.items():
         if name.startswith("quarry"):
             family = "quarry"
-            kind = "what-if" if name == "quarry-disk-wal" else "defaults"
+            kind = "defaults"
             description = {
                 "quarry-memory": "IndexSync + run_sync, 4 batches in flight; QdrantClient(':memory:')",
-                "quarry-disk": "IndexSync + run_sync, 4 batches in flight; local mode on disk",
-                "quarry-disk-wal": "as quarry-disk, local mode's SQLite patched to WAL + "
-                "synchronous=NORMAL (what-if: not what quarry does today)",
+                "quarry-disk": "IndexSync + run_sync, 4 batches in flight; local mode on disk "
+                "(SQLite in WAL mode)",
                 "quarry-flow-disk": "Prefect ingest_flow (QUARRY_WORKERS=4); local mode on disk",
             }[name]
         else:
@@ -861,8 +829,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"\nquarry's client-side CPU, stage by stage on one thread ({b['documents']:,} documents, "
         f"{b['points']:,} points): load {b['load_cpu_s']:.2f}s, chunk {b['chunk_cpu_s']:.2f}s, "
         f"upsert in memory {b['upsert_memory_cpu_s']:.2f}s; local mode on disk "
-        f"{b['upsert_disk_ms_per_point']:.1f} ms/point wall ({b['upsert_disk_wal_ms_per_point']:.2f} "
-        f"with WAL); the floor is {result['floor_seconds']:.2f}s"
+        f"{b['upsert_disk_ms_per_point']:.2f} ms/point wall; the floor is "
+        f"{result['floor_seconds']:.2f}s"
     )
     for name, e in result["pipelines"].items():
         if e.get("error"):

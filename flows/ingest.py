@@ -141,6 +141,7 @@ def ingest_flow(
             max_delete_fraction=settings.max_delete_fraction,
             allow_serving_change=settings.allow_serving_change,
             canary_min_cosine=settings.canary_min_cosine,
+            trust_file_stamps=settings.trust_file_stamps,
         )
         report = run_sync(
             sync,

@@ -49,7 +49,9 @@ def snapshot(data: Path) -> dict[str, tuple[dict[str, Any], tuple[float, ...]]]:
         for record in store.scroll(with_vectors=True):
             payload = dict(record.payload or {})
             payload.pop("ingested_at")  # when, not what
-            payload["metadata"] = {k: v for k, v in payload["metadata"].items() if k != "mtime"}
+            payload["metadata"] = {
+                k: v for k, v in payload["metadata"].items() if k not in ("mtime", "loaded_at")
+            }
             vector = tuple(round(x, 6) for x in record.vector)  # type: ignore[union-attr]
             out[str(record.id)] = (payload, vector)
         return out

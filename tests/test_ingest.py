@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -55,6 +58,7 @@ class Harness:
             Chunker(64, 8),
             max_delete_fraction=0.3,
             allow_serving_change=bool(kwargs.pop("allow_serving_change", False)),
+            trust_file_stamps=bool(kwargs.pop("trust_file_stamps", True)),
         )
         try:
             return run_sync(sync, [open_source(self.root)], **kwargs)  # type: ignore[arg-type]
@@ -215,3 +219,70 @@ def test_point_ids_are_stable_across_a_rebuild(harness: Harness, tmp_path: Path)
     assert first.keys() == again.keys()
     for key, point in first.items():
         assert point["vector"] == pytest.approx(again[key]["vector"])
+
+
+class _CountingLoads:
+    """Counts the files the sync actually opens (quarry.sources._load_file calls)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import quarry.sources as sources
+
+        self.uris: list[str] = []
+        real = sources._load_file
+
+        def counting(path: Path, uri: str, **kwargs: Any) -> Any:
+            self.uris.append(uri)
+            return real(path, uri, **kwargs)
+
+        monkeypatch.setattr(sources, "_load_file", counting)
+
+
+def _settle(root: Path) -> None:
+    """Date every file 10 s back: written just before a run, they would be racily stamped."""
+    past = time.time_ns() - 10 * 10**9
+    for path in root.rglob("*"):
+        if path.is_file():
+            os.utime(path, ns=(past, past))
+
+
+def test_rerun_reads_no_file_whose_stamp_is_unchanged(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _settle(harness.root)
+    harness.run()
+    loads = _CountingLoads(monkeypatch)
+    report = harness.run()
+    assert loads.uris == []
+    assert (report.documents_seen, report.documents_skipped) == (4, 4)
+    assert report.documents_deleted == 0  # skipped files still count as present
+
+
+def test_a_change_that_keeps_mtime_and_size_is_found_with_stamps_untrusted(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _settle(harness.root)
+    harness.run()
+    path = harness.root / "alpha.md"
+    before = path.stat()
+    path.write_text(path.read_text().replace("Alpha", "Omega"))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert harness.run().documents_embedded == 0  # the stamp vouches: not read (rsync's rule)
+    loads = _CountingLoads(monkeypatch)
+    report = harness.run(trust_file_stamps=False)
+    assert len(loads.uris) == 4
+    assert report.documents_embedded == 1
+
+
+def test_a_file_changed_just_before_it_was_read_is_read_again(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _settle(harness.root)
+    path = harness.root / "beta.md"
+    # An mtime after the read: the file may change again within the same tick.
+    future = time.time_ns() + 5 * 10**9
+    os.utime(path, ns=(future, future))
+    harness.run()
+    loads = _CountingLoads(monkeypatch)
+    report = harness.run()
+    assert loads.uris == ["corpus/beta.md"]
+    assert report.documents_skipped == 4

@@ -61,6 +61,8 @@ class Settings(BaseSettings):
     max_delete_fraction: float = Field(0.3, ge=0, le=1)
     allow_serving_change: bool = False
     canary_min_cosine: float = Field(0.999, ge=-1, le=1)
+    # Skip reading a file whose mtime and size are those its documents were indexed from.
+    trust_file_stamps: bool = True
 
     # Query API.
     api_key: SecretStr | None = None

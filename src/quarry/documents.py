@@ -7,6 +7,7 @@ import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 # Fixed namespace for point ids: changing it would orphan every existing index.
@@ -76,6 +77,55 @@ class Chunk:
     headings: tuple[str, ...] = ()
     char_start: int = 0
     char_end: int = 0
+
+
+# The keys of a FileStamp in a document's (volatile) metadata.
+STAMP_FIELDS = ("mtime", "size", "loaded_at", "loader")
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """What a file looked like when it was loaded: enough to tell, without reading it
+    again, that it has not changed since (as rsync and make tell)."""
+
+    mtime: str  # the file's mtime, ISO 8601 UTC
+    size: int  # bytes
+    loaded_at: str  # when it was opened, ISO 8601 UTC
+    loader: int  # quarry.sources.LOADER_VERSION at the time
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> FileStamp | None:
+        """The stamp recorded in a document's metadata, or None (older points, no file)."""
+        try:
+            return cls(
+                str(metadata["mtime"]),
+                int(metadata["size"]),
+                str(metadata["loaded_at"]),
+                int(metadata["loader"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def to_metadata(self) -> dict[str, Any]:
+        """The stamp as volatile metadata (stored with the points, not hashed)."""
+        return {key: getattr(self, key) for key in STAMP_FIELDS}
+
+    def vouches_for(self, mtime: str, size: int, loader: int) -> bool:
+        """True when a file whose mtime and size are now these is the file loaded then.
+
+        A change made within one timestamp tick of the change before it keeps the
+        mtime, so a stamp vouches only for a file that had been still for a margin
+        before it was read (git's "racily clean" rule): 2 s where mtimes are whole
+        seconds (FAT, some network file systems), 50 ms otherwise.
+        """
+        if (self.mtime, self.size, self.loader) != (mtime, size, loader):
+            return False
+        margin = 0.05 if "." in self.mtime else 2.0
+        try:
+            still = datetime.fromisoformat(self.loaded_at) - datetime.fromisoformat(self.mtime)
+        except ValueError:
+            return False
+        return still.total_seconds() > margin
 
 
 def doc_id_for(uri: str) -> str:

@@ -28,7 +28,14 @@ from quarry.fingerprint import (
     check_compatible,
     read_fingerprint,
 )
-from quarry.sources import LoadFailure, SourceSpec, discover, iter_documents, uri_for
+from quarry.sources import (
+    LOADER_VERSION,
+    LoadFailure,
+    SourceSpec,
+    UnchangedFile,
+    file_uris,
+    iter_documents,
+)
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
 UPSERT_BATCH = 256
@@ -101,6 +108,8 @@ class SourcePlan:
 
     spec: SourceSpec
     state: Mapping[str, DocState]
+    # The stored documents of each file (a PDF has one per page), by file uri.
+    files: Mapping[str, list[DocState]] = field(default_factory=dict)
 
 
 class IndexSync:
@@ -116,6 +125,7 @@ class IndexSync:
         max_delete_fraction: float = 0.3,
         allow_serving_change: bool = False,
         canary_min_cosine: float = 0.999,
+        trust_file_stamps: bool = True,
     ) -> None:
         self.store = store
         self.embedder = embedder
@@ -124,6 +134,8 @@ class IndexSync:
         self.max_delete_fraction = max_delete_fraction
         self.allow_serving_change = allow_serving_change
         self.canary_min_cosine = canary_min_cosine
+        # Skip reading files whose mtime and size are as indexed (QUARRY_TRUST_FILE_STAMPS).
+        self.trust_file_stamps = trust_file_stamps
         self.fingerprint: Fingerprint | None = None
         self.rechunk_all = False
         self._requests_at_start = 0
@@ -219,13 +231,13 @@ class IndexSync:
         checks again by document once every file has been loaded.
         """
         state = self.plan_documents(spec.name)
-        if full_sync and state:
-            present = {uri_for(path, spec) for path in discover(spec)}
-            stored_files = {_file_uri(doc.uri) for doc in state.values()}
-            self._guard_deletes(
-                spec, len(stored_files - present), len(stored_files), allow_mass_delete
-            )
-        return SourcePlan(spec=spec, state=state)
+        files: dict[str, list[DocState]] = {}
+        for doc in state.values():
+            files.setdefault(_file_uri(doc.uri), []).append(doc)
+        if full_sync and files:
+            gone = len(files.keys() - file_uris(spec))
+            self._guard_deletes(spec, gone, len(files), allow_mass_delete)
+        return SourcePlan(spec=spec, state=state, files=files)
 
     def plan_documents(self, source: str) -> dict[str, DocState]:
         """Read the index state of the source named ``source`` and record it as planned.
@@ -238,6 +250,24 @@ class IndexSync:
         self._planned_sources.add(source)
         self._planned_documents.update(state)
         return state
+
+    def unchanged_file(self, plan: SourcePlan, uri: str, mtime: str, size: int) -> bool:
+        """True when the file at ``uri`` need not be read: its stamp (mtime, size) is the
+        one every one of its indexed documents was loaded with, and they are complete."""
+        if self.rechunk_all or not self.trust_file_stamps:
+            return False
+        docs = plan.files.get(uri)
+        if not docs:
+            return False
+        for doc in docs:
+            if len(doc.stamps) != 1 or len(doc.hashes) != 1:
+                return False
+            (stamp,) = doc.stamps
+            if stamp is None or not stamp.vouches_for(mtime, size, LOADER_VERSION):
+                return False
+            if not doc.is_current(next(iter(doc.hashes))):
+                return False
+        return True
 
     def is_current(self, plan: SourcePlan, document: Document) -> bool:
         """True when ``document`` is indexed as it is now, so it needs no embedding."""
@@ -522,7 +552,17 @@ def _pending_documents(
     log: logging.Logger | logging.LoggerAdapter[Any],
 ) -> Iterator[Document]:
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
-    for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes):
+
+    def unchanged(uri: str, mtime: str, size: int) -> bool:
+        return sync.unchanged_file(plan, uri, mtime, size)
+
+    for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged):
+        if isinstance(item, UnchangedFile):
+            docs = plan.files[item.uri]
+            report.documents_seen += len(docs)
+            report.documents_skipped += len(docs)
+            seen.update(doc.doc_id for doc in docs)
+            continue
         if isinstance(item, LoadFailure):
             log.warning("skipped %s: %s", item.uri, item.error)
             failed_uris.add(_file_uri(item.uri))

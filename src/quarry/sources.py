@@ -28,14 +28,14 @@ import errno
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from stat import S_ISDIR
 from typing import Any
 
-from quarry.documents import Document
+from quarry.documents import Document, FileStamp
 from quarry.errors import SourceNotFound, UnreadableDocument
 
 DEFAULT_INCLUDE: tuple[str, ...] = (
@@ -56,6 +56,9 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     ".quarry/**",
 )
 DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
+# Bump when a loader change alters what an unchanged file loads as: file stamps
+# recorded by an older loader then no longer vouch for their files.
+LOADER_VERSION = 1
 
 # Content types by extension. A fixed table, not the mimetypes module: the
 # content type is indexed metadata, so it must not depend on the machine.
@@ -464,7 +467,8 @@ def _markup_title(text: str, rst: bool) -> str:
     return best[1] if best else ""
 
 
-def _mtime_iso(stat: os.stat_result) -> str:
+def file_mtime(stat: os.stat_result) -> str:
+    """A file's mtime as stored in its documents' metadata (ISO 8601, UTC)."""
     return datetime.fromtimestamp(stat.st_mtime, tz=UTC).isoformat()
 
 
@@ -475,8 +479,9 @@ def load_document(
 
     Metadata: ``uri``, ``title``, ``content_type`` (and ``page``,
     ``page_count`` for PDF pages; ``encoding`` when it was not UTF-8) are
-    indexed; ``mtime`` (ISO 8601, UTC) and ``size`` (bytes) are volatile, so
-    touching a file does not change ``doc_hash``. An empty or all-whitespace
+    indexed; the file's stamp (``mtime``, ``size``, ``loaded_at``, ``loader``:
+    see :class:`~quarry.documents.FileStamp`) is volatile, so touching a file
+    does not change ``doc_hash``. An empty or all-whitespace
     file gives ``[]`` (nothing to index, nothing wrong). Raises
     :class:`UnreadableDocument` naming the uri and why for a binary, too large,
     undecodable or broken file, or a symlink that leaves the source root.
@@ -509,6 +514,8 @@ def _load_file(
     ``O_NOFOLLOW`` instead, which also refuses a file swapped for a symlink since.
     """
     flags = os.O_RDONLY | (os.O_NOFOLLOW if no_follow else 0)
+    # Taken before the file is opened, so a change while it is read is never stamped as seen.
+    loaded_at = datetime.now(UTC).isoformat()
     try:
         with open(os.open(path, flags), "rb") as handle:
             stat = os.fstat(handle.fileno())
@@ -528,7 +535,7 @@ def _load_file(
     if len(data) > max_file_bytes:
         raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
     path = name or path
-    volatile: dict[str, Any] = {"mtime": _mtime_iso(stat), "size": len(data)}
+    volatile = FileStamp(file_mtime(stat), len(data), loaded_at, LOADER_VERSION).to_metadata()
     if not data.strip():
         return []  # empty: nothing to index, nothing wrong (see the module docstring)
     content_type = _content_type(path)
@@ -600,19 +607,44 @@ def _load_pdf(data: bytes, uri: str, path: Path, volatile: dict[str, Any]) -> li
     return documents
 
 
+@dataclass(frozen=True)
+class UnchangedFile:
+    """A file not read because its stamp says it is as indexed (see ``iter_documents``)."""
+
+    uri: str
+
+
+# Called with a file's uri, mtime (as :func:`file_mtime` gives it) and size.
+UnchangedCheck = Callable[[str, str, int], bool]
+
+
 def iter_documents(
-    spec: SourceSpec, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-) -> Iterator[Document | LoadFailure]:
+    spec: SourceSpec,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    unchanged: UnchangedCheck | None = None,
+) -> Iterator[Document | LoadFailure | UnchangedFile]:
     """Every document of a source in discovery order, and a :class:`LoadFailure` per bad file.
 
     Never raises for a single file: binary, too large, undecodable, broken
-    files and symlinks out of the root are reported and the walk goes on.
+    files and symlinks out of the root are reported and the walk goes on. A file
+    for which ``unchanged`` answers True is not read: an :class:`UnchangedFile`
+    stands for its documents.
     """
     for found in _walk(spec):
         uri = f"{spec.name}/{found.rel}"
         if found.problem is not None or found.real is None:
             yield LoadFailure(uri, found.problem or "cannot read")
             continue
+        if unchanged is not None:
+            try:
+                stat = os.stat(found.real)
+            except OSError:
+                pass  # loading it reports the problem
+            else:
+                if unchanged(uri, file_mtime(stat), stat.st_size):
+                    yield UnchangedFile(uri)
+                    continue
         try:
             yield from _load_file(
                 found.real, uri, name=found.path, max_file_bytes=max_file_bytes, no_follow=True
@@ -621,6 +653,11 @@ def iter_documents(
             yield LoadFailure(exc.uri, _message(exc))
         except Exception as exc:  # a bad file must never stop the run
             yield LoadFailure(uri, f"{type(exc).__name__}: {exc}")
+
+
+def file_uris(spec: SourceSpec) -> set[str]:
+    """The uris of the files a source holds now (no file is read)."""
+    return {f"{spec.name}/{found.rel}" for found in _walk(spec) if found.problem is None}
 
 
 def _message(exc: UnreadableDocument) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings
+from quarry.documents import STAMP_FIELDS, FileStamp
 from quarry.errors import StoreError, StoreLocked, WriteFailed
 from quarry.fingerprint import Fingerprint
 
@@ -34,7 +35,15 @@ INDEXED_FIELDS: dict[str, models.PayloadSchemaType] = {
     "model_key": models.PayloadSchemaType.KEYWORD,
     "chunk_index": models.PayloadSchemaType.INTEGER,
 }
-_SCAN_FIELDS = ["doc_id", "uri", "doc_hash", "chunk_count", "chunk_index"]
+_SCAN_FIELDS = [
+    "doc_id",
+    "uri",
+    "source",
+    "doc_hash",
+    "chunk_count",
+    "chunk_index",
+    *(f"metadata.{key}" for key in STAMP_FIELDS),
+]
 
 
 @dataclass(slots=True)
@@ -47,6 +56,8 @@ class DocState:
     chunk_counts: set[int] = field(default_factory=set)
     indexes: set[int] = field(default_factory=set)
     points: int = 0
+    # The file stamps the points were written with (see quarry.sources.FileStamp).
+    stamps: set[FileStamp | None] = field(default_factory=set)
 
     def is_current(self, doc_hash: str) -> bool:
         """True when every point carries ``doc_hash`` and exactly chunks 0..n-1 exist."""
@@ -266,12 +277,23 @@ class VectorStore:
     def index_state(self, source: str | None = None) -> dict[str, DocState]:
         """Per-document state from the points themselves, optionally for one source."""
         states: dict[str, DocState] = {}
-        query_filter = None
-        if source is not None:
-            query_filter = models.Filter(
-                must=[models.FieldCondition(key="source", match=models.MatchValue(value=source))]
-            )
-        for point in self.scroll(query_filter=query_filter, fields=_SCAN_FIELDS):
+        records: Iterable[models.Record]
+        if self.is_local:
+            # Local mode evaluates a filter in Python on every point, once per page:
+            # one unfiltered page of everything, filtered here, is several times faster.
+            records = self.scroll(fields=_SCAN_FIELDS, page=self.count() + 1)
+            if source is not None:
+                records = (p for p in records if (p.payload or {}).get("source") == source)
+        else:
+            query_filter = None
+            if source is not None:
+                query_filter = models.Filter(
+                    must=[
+                        models.FieldCondition(key="source", match=models.MatchValue(value=source))
+                    ]
+                )
+            records = self.scroll(query_filter=query_filter, fields=_SCAN_FIELDS)
+        for point in records:
             payload = point.payload or {}
             doc_id = str(payload.get("doc_id"))
             state = states.get(doc_id)
@@ -280,6 +302,7 @@ class VectorStore:
             state.hashes.add(str(payload.get("doc_hash")))
             state.chunk_counts.add(int(payload.get("chunk_count", -1)))
             state.indexes.add(int(payload.get("chunk_index", -1)))
+            state.stamps.add(FileStamp.from_metadata(payload.get("metadata") or {}))
             state.points += 1
         return states
 
