@@ -9,11 +9,13 @@ killed at any moment and run again converges on the same index as one clean run.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from qdrant_client import models
@@ -33,6 +35,7 @@ from quarry.sources import (
     LoadFailure,
     SourceSpec,
     UnchangedFile,
+    file_mtime,
     file_uris,
     iter_documents,
 )
@@ -251,7 +254,7 @@ class IndexSync:
         self._planned_documents.update(state)
         return state
 
-    def unchanged_file(self, plan: SourcePlan, uri: str, mtime: str, size: int) -> bool:
+    def unchanged_file(self, plan: SourcePlan, uri: str, path: Path) -> bool:
         """True when the file at ``uri`` need not be read: its stamp (mtime, size) is the
         one every one of its indexed documents was loaded with, and they are complete."""
         if self.rechunk_all or not self.trust_file_stamps:
@@ -259,11 +262,16 @@ class IndexSync:
         docs = plan.files.get(uri)
         if not docs:
             return False
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return False  # loading it reports the problem
+        mtime = file_mtime(stat)
         for doc in docs:
             if len(doc.stamps) != 1 or len(doc.hashes) != 1:
                 return False
             (stamp,) = doc.stamps
-            if stamp is None or not stamp.vouches_for(mtime, size, LOADER_VERSION):
+            if stamp is None or not stamp.vouches_for(mtime, stat.st_size, LOADER_VERSION):
                 return False
             if not doc.is_current(next(iter(doc.hashes))):
                 return False
@@ -553,8 +561,8 @@ def _pending_documents(
 ) -> Iterator[Document]:
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
 
-    def unchanged(uri: str, mtime: str, size: int) -> bool:
-        return sync.unchanged_file(plan, uri, mtime, size)
+    def unchanged(uri: str, path: Path) -> bool:
+        return sync.unchanged_file(plan, uri, path)
 
     for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged):
         if isinstance(item, UnchangedFile):

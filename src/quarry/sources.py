@@ -614,8 +614,8 @@ class UnchangedFile:
     uri: str
 
 
-# Called with a file's uri, mtime (as :func:`file_mtime` gives it) and size.
-UnchangedCheck = Callable[[str, str, int], bool]
+# Called with a file's uri and the path to open; True means "do not read it".
+UnchangedCheck = Callable[[str, Path], bool]
 
 
 def iter_documents(
@@ -636,15 +636,9 @@ def iter_documents(
         if found.problem is not None or found.real is None:
             yield LoadFailure(uri, found.problem or "cannot read")
             continue
-        if unchanged is not None:
-            try:
-                stat = os.stat(found.real)
-            except OSError:
-                pass  # loading it reports the problem
-            else:
-                if unchanged(uri, file_mtime(stat), stat.st_size):
-                    yield UnchangedFile(uri)
-                    continue
+        if unchanged is not None and unchanged(uri, found.real):
+            yield UnchangedFile(uri)
+            continue
         try:
             yield from _load_file(
                 found.real, uri, name=found.path, max_file_bytes=max_file_bytes, no_follow=True
