@@ -38,6 +38,7 @@ def test_flow_ingests_then_skips_unchanged(
     assert set(first) >= {
         "documents_seen",
         "documents_skipped",
+        "files_unread",
         "documents_embedded",
         "documents_deleted",
         "documents_failed",

@@ -253,7 +253,7 @@ def test_rerun_reads_no_file_whose_stamp_is_unchanged(
     loads = _CountingLoads(monkeypatch)
     report = harness.run()
     assert loads.uris == []
-    assert (report.documents_seen, report.documents_skipped) == (4, 4)
+    assert (report.documents_seen, report.documents_skipped, report.files_unread) == (4, 4, 4)
     assert report.documents_deleted == 0  # skipped files still count as present
 
 

@@ -164,7 +164,8 @@ def ingest(
     def human() -> None:
         typer.echo(
             f"{summary['collection']}: {summary['documents_seen']} documents seen, "
-            f"{summary['documents_skipped']} unchanged, {summary['documents_embedded']} embedded "
+            f"{summary['documents_skipped']} unchanged ({summary['files_unread']} files not "
+            f"read), {summary['documents_embedded']} embedded "
             f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} requests), "
             f"{summary['documents_deleted']} deleted, {summary['documents_failed']} failed"
         )

@@ -75,6 +75,8 @@ class IngestReport:
     collection: str
     documents_seen: int = 0
     documents_skipped: int = 0
+    # Files not even read: their mtime and size were those their documents came from.
+    files_unread: int = 0
     documents_embedded: int = 0
     documents_deleted: int = 0
     documents_failed: int = 0
@@ -569,6 +571,7 @@ def _pending_documents(
     for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged):
         if isinstance(item, UnchangedFile):
             docs = plan.files[item.uri]
+            report.files_unread += 1
             report.documents_seen += len(docs)
             report.documents_skipped += len(docs)
             seen.update(doc.doc_id for doc in docs)
