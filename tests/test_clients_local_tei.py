@@ -139,21 +139,6 @@ def test_rerank_dialect_mismatch_names_the_fix(server_dialect: str, client_diale
             reranker.score("query", ["a passage"])
 
 
-def test_long_inputs_are_split_before_sending_when_the_service_can_count(
-    clean: LocalTEIServer,
-) -> None:
-    long_text = " ".join(f"w{i}" for i in range(80))
-    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
-        _ = client.info
-        clean.stats.reset()
-        results = client.embed_passages(["short", long_text])
-    parts = results[1]
-    assert isinstance(parts, list) and len(parts) > 1
-    assert "".join(part.text for part in parts) == long_text
-    assert clean.stats.requests.get(("POST", "/tokenize")) == 1  # for the long input only
-    assert clean.stats.responses.get(422, 0) == 0  # nothing was sent only to be refused
-
-
 def _tokenize_calls(server: LocalTEIServer) -> int:
     return server.stats.requests.get(("POST", "/tokenize"), 0)
 
@@ -167,38 +152,49 @@ def test_inputs_that_fit_by_their_bytes_are_not_counted(clean: LocalTEIServer) -
     assert _tokenize_calls(clean) == 0
 
 
-def test_counting_stops_once_the_densest_input_seen_leaves_room(clean: LocalTEIServer) -> None:
-    # ~15 tokens in ~70 bytes: over the 32-token limit by bytes, well under it by count.
+def test_a_long_input_is_split_where_the_count_says_not_by_bisection(
+    clean: LocalTEIServer,
+) -> None:
+    long_text = " ".join(f"w{i}" for i in range(80))  # about 82 tokens, limit 32
+    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
+        _ = client.info
+        clean.stats.reset()
+        results = client.embed_passages(["short", long_text, "also short"])
+    parts = results[1]
+    assert isinstance(parts, list) and len(parts) > 1
+    assert "".join(part.text for part in parts) == long_text
+    assert all(isinstance(r, list) and len(r) == 1 for r in (results[0], results[2]))
+    # One refused batch, one count, then the parts: no halving round after round.
+    assert clean.stats.responses.get(422, 0) == 1
+    assert _tokenize_calls(clean) == 1
+    assert clean.stats.requests.get(("POST", "/v1/embeddings"), 0) <= 1 + len(parts)
+
+
+def test_batches_that_fit_are_sent_without_counting(clean: LocalTEIServer) -> None:
+    # ~15 tokens in ~70 bytes: over the 32-token limit by bytes, under it by count.
     medium = [" ".join(f"w{i}x{j}" for j in range(13)) for i in range(40)]
     assert all(len(text) + 8 > LIMITS["max_input_length"] for text in medium)
     with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
         _ = client.info
         clean.stats.reset()
-        client.embed_passages(medium)
-        learning = _tokenize_calls(clean)
-        clean.stats.reset()
-        again = client.embed_passages(medium)
-        long_text = " ".join(f"w{i}" for i in range(80))
-        split = client.embed_passages([long_text])
-    assert learning > 0
-    assert all(isinstance(r, list) and len(r) == 1 for r in again)
-    assert _tokenize_calls(clean) == 1  # the long input only: it may not fit
-    parts = split[0]
-    assert isinstance(parts, list) and len(parts) > 1
-    assert "".join(part.text for part in parts) == long_text
+        results = client.embed_passages(medium)
+    assert all(isinstance(r, list) and len(r) == 1 for r in results)
+    assert _tokenize_calls(clean) == 0
+    assert clean.stats.responses.get(422, 0) == 0
 
 
-def test_an_input_denser_than_estimated_is_still_split_not_truncated(
-    clean: LocalTEIServer,
-) -> None:
-    sparse = [" ".join(f"word{i}x{j}" for j in range(4)) for i in range(40)]
-    dense = " ".join("a" for _ in range(45))  # 45 tokens in 89 bytes: twice as dense
-    with EmbeddingClient(clean.url, retry=FAST_RETRY) as client:
-        client.embed_passages(sparse)
+def test_a_corpus_of_long_inputs_is_counted_before_sending(clean: LocalTEIServer) -> None:
+    longs = [" ".join(f"d{k}w{i}" for i in range(50)) for k in range(24)]  # each over 32
+    with EmbeddingClient(clean.url, retry=FAST_RETRY, concurrency=1) as client:
+        _ = client.info
         clean.stats.reset()
-        results = client.embed_passages([dense])
-    parts = results[0]
-    assert isinstance(parts, list) and len(parts) > 1
-    assert "".join(part.text for part in parts) == dense
-    assert _tokenize_calls(clean) == 0  # the estimate let it through...
-    assert clean.stats.responses.get(422, 0) >= 1  # ...and the service's 422 split it
+        results = client.embed_passages(longs)
+        refused_while_learning = clean.stats.responses.get(422, 0)
+        clean.stats.reset()
+        again = client.embed_passages(longs)
+    for text, result in zip(longs, [*results, *again][:24], strict=True):
+        assert isinstance(result, list) and "".join(p.text for p in result) == text
+    # Two refused batches in a row, then the client counts first (one batch at a time here).
+    assert refused_while_learning == 2
+    assert clean.stats.responses.get(422, 0) == 0  # counted first now: nothing refused
+    assert _tokenize_calls(clean) > 0

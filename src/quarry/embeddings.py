@@ -36,13 +36,12 @@ from quarry.prompts import ProfileName, PromptProfile, profile_for_model
 
 # TEI rejects bodies over 2 MB by default; stay well clear of it.
 MAX_BODY_BYTES = 1_500_000
-# Pre-splitting: an input is sent to /tokenize unless it surely fits. It surely fits when
-# its bytes plus this many special tokens are within max_input_length, or, once this many
-# inputs have been counted, when its bytes at the densest tokens-per-byte seen so far,
-# times the margin, are.
+# Counting with /tokenize: an input whose bytes plus this many special tokens are within
+# max_input_length surely fits (no tokenizer in use emits more tokens than bytes).
 _SPECIAL_TOKENS_ALLOWANCE = 8
-_DENSITY_SAMPLES = 32
-_DENSITY_MARGIN = 1.25
+# Batches are sent as they are; once this share of them (and at least two) came back 422
+# for an over-long input, the client counts every batch with /tokenize before sending.
+_TOO_LONG_SHARE = 0.1
 DEFAULT_BATCH_SIZE = 32
 
 EmbedDialect = Literal["auto", "tei", "openai"]
@@ -190,9 +189,11 @@ class EmbeddingClient:
         self._info_lock = threading.Lock()
         self.requests_sent = 0
         self._can_tokenize = True
-        # The most tokens per byte /tokenize has reported, and over how many inputs.
-        self._densest = 0.0
-        self._density_samples = 0
+        # Batches sent as they were, how many of those a service found too long, and
+        # whether the inputs are now counted before sending (see _embed_batch).
+        self._batches_sent = 0
+        self._batches_too_long = 0
+        self._count_first = False
         self._count_lock = threading.Lock()
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
@@ -350,13 +351,58 @@ class EmbeddingClient:
             yield start, len(texts)
 
     def _embed_batch(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
-        """Embed one sized batch: inputs the service would find too long are split first,
-        so a batch of long chunks costs one /tokenize call instead of a bisection."""
+        """Embed one sized batch; an input the service finds too long is split, never cut.
+
+        A batch goes out as it is: with production limits (thousands of tokens) nothing
+        is over, and counting first would cost a /tokenize call per batch, whose answer
+        (every token with its offsets) is heavier than the embeddings. When the service
+        answers 422, one /tokenize call finds the over-long inputs and they are split
+        where the count says, not by bisection. Once 422s are common for this corpus
+        (a model with a short limit), batches are counted before they are sent.
+        """
+        with self._count_lock:
+            count_first = self._count_first
+            if not count_first:
+                self._batches_sent += 1
+        if count_first:
+            return self._embed_pieces(self._presplit(texts), names)
+        try:
+            return self._embed_as_is(texts, names)
+        except InputTooLong:
+            with self._count_lock:
+                self._batches_too_long += 1
+                if (
+                    self._batches_too_long >= 2
+                    and self._batches_too_long >= _TOO_LONG_SHARE * self._batches_sent
+                ):
+                    self._count_first = True
         pieces = self._presplit(texts)
-        if all(len(parts) == 1 for parts in pieces):
+        if all(len(parts) == 1 for parts in pieces):  # no count to go by: bisect
             return self._embed_resilient(texts, names)
+        return self._embed_pieces(pieces, names)
+
+    def _embed_as_is(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
+        """One request for the batch; InputTooLong propagates, other rejections bisect."""
+        formatted = [self.profile.format_passage(text) for text in texts]
+        try:
+            vectors = self._post_batch(formatted, documents=names)
+        except InputTooLong:
+            raise
+        except RequestRejected as error:
+            if len(texts) == 1:
+                return [EmbedFailure(error)]
+            middle = len(texts) // 2
+            return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
+                texts[middle:], names[middle:]
+            )
+        return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
+
+    def _embed_pieces(self, pieces: list[list[str]], names: list[str]) -> list[EmbedResult]:
+        """Embed inputs given as their parts, in batches; each input's parts stay in order."""
+        if all(len(parts) == 1 for parts in pieces):
+            return self._embed_resilient([parts[0] for parts in pieces], names)
         flat = [(i, part) for i, parts in enumerate(pieces) for part in parts]
-        results: list[EmbedResult] = [[] for _ in texts]
+        results: list[EmbedResult] = [[] for _ in pieces]
         for start in range(0, len(flat), self.batch_size):
             group = flat[start : start + self.batch_size]
             outcomes = self._embed_resilient(
@@ -375,19 +421,19 @@ class EmbeddingClient:
     def _presplit(self, texts: list[str]) -> list[list[str]]:
         """Each input, or its parts when the service's tokenizer counts it over the limit.
 
-        Only inputs that might be too long are sent to ``/tokenize``: its answer (every
-        token with its text and offsets) costs far more to build and parse than the
-        embedding itself. An input that fits by its bytes alone, or by the densest
-        tokens-per-byte ratio seen so far with a margin, goes straight to ``/embed``;
-        if the estimate is ever wrong the service's 422 still splits it.
+        Only inputs that might be too long are sent to ``/tokenize``: one that fits by
+        its byte count alone is not.
         """
         limit = self.info.max_input_length
         pieces = [[text] for text in texts]
         if not limit or not self._can_tokenize:
             return pieces
         formatted = [self.profile.format_passage(text) for text in texts]
-        sizes = [len(text.encode("utf-8")) for text in formatted]
-        unsure = [i for i, size in enumerate(sizes) if not self._surely_fits(size, limit)]
+        unsure = [
+            i
+            for i, text in enumerate(formatted)
+            if len(text.encode("utf-8")) + _SPECIAL_TOKENS_ALLOWANCE > limit
+        ]
         if not unsure:
             return pieces
         try:
@@ -403,30 +449,12 @@ class EmbeddingClient:
             return pieces
         if not isinstance(answer, list) or len(answer) != len(unsure):
             return pieces
-        counted = list(zip(unsure, answer, strict=True))
-        self._learn_density([(sizes[i], len(tokens)) for i, tokens in counted])
         # Aim a little under the limit: parts are cut by characters, counted by proportion.
         target = max(1, int(limit * 0.9))
-        for i, tokens in counted:
+        for i, tokens in zip(unsure, answer, strict=True):
             if len(tokens) > limit:
                 pieces[i] = _split_to_fit(texts[i], len(tokens), target)
         return pieces
-
-    def _surely_fits(self, size: int, limit: int) -> bool:
-        # No tokenizer in use emits more tokens than the input has bytes (byte-level BPE,
-        # WordPiece and SentencePiece tokens each cover at least one), plus specials.
-        if size + _SPECIAL_TOKENS_ALLOWANCE <= limit:
-            return True
-        with self._count_lock:
-            density, seen = self._densest, self._density_samples
-        return seen >= _DENSITY_SAMPLES and size * density * _DENSITY_MARGIN <= limit
-
-    def _learn_density(self, counted: Sequence[tuple[int, int]]) -> None:
-        with self._count_lock:
-            for size, tokens in counted:
-                if size > 0:
-                    self._densest = max(self._densest, tokens / size)
-                    self._density_samples += 1
 
     def _embed_resilient(self, texts: list[str], names: list[str]) -> list[EmbedResult]:
         profile = self.profile
