@@ -17,7 +17,7 @@ from typing import Any
 from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings
-from quarry.documents import STAMP_FIELDS, FileStamp
+from quarry.documents import FileStamp
 from quarry.errors import StoreError, StoreLocked, WriteFailed
 from quarry.fingerprint import Fingerprint
 
@@ -35,15 +35,9 @@ INDEXED_FIELDS: dict[str, models.PayloadSchemaType] = {
     "model_key": models.PayloadSchemaType.KEYWORD,
     "chunk_index": models.PayloadSchemaType.INTEGER,
 }
-_SCAN_FIELDS = [
-    "doc_id",
-    "uri",
-    "source",
-    "doc_hash",
-    "chunk_count",
-    "chunk_index",
-    *(f"metadata.{key}" for key in STAMP_FIELDS),
-]
+# "metadata" whole rather than its stamp fields: local mode parses each nested path for
+# every point, and the whole (small) dict reads twice as fast.
+_SCAN_FIELDS = ["doc_id", "uri", "source", "doc_hash", "chunk_count", "chunk_index", "metadata"]
 
 
 @dataclass(slots=True)
