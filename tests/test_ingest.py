@@ -286,3 +286,25 @@ def test_a_file_changed_just_before_it_was_read_is_read_again(
     report = harness.run()
     assert loads.uris == ["corpus/beta.md"]
     assert report.documents_skipped == 4
+
+
+def test_a_file_with_a_document_missing_from_the_index_is_read_again(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quarry.documents import doc_id_for
+    from tests.test_sources import make_pdf
+
+    (harness.root / "manual.pdf").write_bytes(make_pdf(["Page one.", "Page two.", "Page 3."]))
+    _settle(harness.root)
+    assert harness.run().documents_embedded == 7
+    # As if page 2 had failed to embed: its points are not there.
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+        store.delete_documents([doc_id_for("corpus/manual.pdf#page=2")])
+    finally:
+        store.close()
+    loads = _CountingLoads(monkeypatch)
+    report = harness.run()
+    assert loads.uris == ["corpus/manual.pdf"]
+    assert report.documents_embedded == 1
+    assert report.files_unread == 4

@@ -80,7 +80,7 @@ class Chunk:
 
 
 # The keys of a FileStamp in a document's (volatile) metadata.
-STAMP_FIELDS = ("mtime", "size", "loaded_at", "loader")
+STAMP_FIELDS = ("mtime", "size", "loaded_at", "loader", "parts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,7 @@ class FileStamp:
     size: int  # bytes
     loaded_at: str  # when it was opened, ISO 8601 UTC
     loader: int  # quarry.sources.LOADER_VERSION at the time
+    parts: int = 1  # documents the file was loaded as (PDF pages with text)
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> FileStamp | None:
@@ -102,6 +103,7 @@ class FileStamp:
                 int(metadata["size"]),
                 str(metadata["loaded_at"]),
                 int(metadata["loader"]),
+                int(metadata["parts"]),
             )
         except (KeyError, TypeError, ValueError):
             return None

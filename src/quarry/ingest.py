@@ -275,6 +275,8 @@ class IndexSync:
             (stamp,) = doc.stamps
             if stamp is None or not stamp.vouches_for(mtime, stat.st_size, LOADER_VERSION):
                 return False
+            if stamp.parts != len(docs):  # a document of the file is missing: read it again
+                return False
             if not doc.is_current(next(iter(doc.hashes))):
                 return False
         return True

@@ -29,7 +29,7 @@ import io
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from stat import S_ISDIR
@@ -535,12 +535,13 @@ def _load_file(
     if len(data) > max_file_bytes:
         raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
     path = name or path
-    volatile = FileStamp(file_mtime(stat), len(data), loaded_at, LOADER_VERSION).to_metadata()
+    stamp = FileStamp(file_mtime(stat), len(data), loaded_at, LOADER_VERSION, parts=1)
+    volatile = stamp.to_metadata()
     if not data.strip():
         return []  # empty: nothing to index, nothing wrong (see the module docstring)
     content_type = _content_type(path)
     if content_type == "application/pdf":
-        return _load_pdf(data, uri, path, volatile)
+        return _load_pdf(data, uri, path, stamp)
     raw, encoding = decode_text(data, uri)
     extra: dict[str, Any] = {} if encoding in ("utf-8", "utf-8-sig") else {"encoding": encoding}
     if content_type == "text/html":
@@ -564,7 +565,7 @@ def _load_file(
     return [Document.create(uri, text, title, metadata=metadata, volatile=volatile)]
 
 
-def _load_pdf(data: bytes, uri: str, path: Path, volatile: dict[str, Any]) -> list[Document]:
+def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
     from pypdf import PdfReader
 
     if b"%%EOF" not in data[-65536:]:
@@ -591,6 +592,9 @@ def _load_pdf(data: bytes, uri: str, path: Path, volatile: dict[str, Any]) -> li
     if not any(page.strip() for page in pages):
         raise _fail(uri, f"PDF has {len(pages)} page(s) but no extractable text (scanned?)")
     title = meta_title or path.stem
+    # One document per page with text; each records how many there are, so a page
+    # that failed to index keeps the file from being skipped as unchanged.
+    volatile = replace(stamp, parts=sum(1 for page in pages if page.strip())).to_metadata()
     documents = []
     for number, text in enumerate(pages, start=1):
         if not text.strip():
