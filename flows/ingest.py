@@ -109,6 +109,7 @@ def ingest_flow(
     allow_mass_delete: bool = False,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
+    reread: bool = False,
 ) -> dict[str, Any]:
     """Sync ``sources`` (folders or files) into ``collection``.
 
@@ -119,6 +120,8 @@ def ingest_flow(
         allow_mass_delete: Allow a sync to delete more than ``QUARRY_MAX_DELETE_FRACTION``.
         include: Globs of files to index (default: md, txt, rst, html, pdf).
         exclude: Globs of files to skip.
+        reread: Read and hash every file, even one whose mtime and size are those its
+            documents were indexed from (after restoring files with old mtimes, say).
 
     Returns:
         The ingest summary (``IngestReport.to_dict()``).
@@ -141,7 +144,7 @@ def ingest_flow(
             max_delete_fraction=settings.max_delete_fraction,
             allow_serving_change=settings.allow_serving_change,
             canary_min_cosine=settings.canary_min_cosine,
-            trust_file_stamps=settings.trust_file_stamps,
+            trust_file_stamps=settings.trust_file_stamps and not reread,
         )
         report = run_sync(
             sync,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +33,9 @@ def test_flow_ingests_then_skips_unchanged(
         {f"doc{i}.md": f"# Doc {i}\n\nParagraph about topic {i}. " * 40 for i in range(70)},
     )
     (corpus / "bad.pdf").write_bytes(b"%PDF-1.4 truncated")
+    past = time.time_ns() - 10 * 10**9  # not written just before the run: stamps vouch
+    for path in corpus.iterdir():
+        os.utime(path, ns=(past, past))
     first = ingest_flow(sources=[str(corpus)], collection="flowtest")
     assert first["documents_embedded"] == 70
     assert first["documents_failed"] == 1
@@ -49,9 +54,12 @@ def test_flow_ingests_then_skips_unchanged(
         "collection",
     }
     second = ingest_flow(sources=[str(corpus)], collection="flowtest")
-    assert second["documents_skipped"] == 70
+    assert (second["documents_skipped"], second["files_unread"]) == (70, 70)
     assert second["documents_embedded"] == 0
     assert second["embedding_requests"] == 0  # nothing to embed, not even the canary
+    reread = ingest_flow(sources=[str(corpus)], collection="flowtest", reread=True)
+    assert (reread["files_unread"], reread["documents_skipped"]) == (0, 70)
+    assert reread["embedding_requests"] == 0
 
 
 def test_flow_publishes_a_markdown_artifact(

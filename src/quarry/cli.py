@@ -137,6 +137,13 @@ def ingest(
     exclude: Annotated[
         list[str] | None, typer.Option("--exclude", help="Glob of files to skip (repeatable).")
     ] = None,
+    reread: Annotated[
+        bool,
+        typer.Option(
+            "--reread",
+            help="Read and hash every file, even one whose mtime and size are as indexed.",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
@@ -159,6 +166,7 @@ def ingest(
             allow_mass_delete=allow_mass_delete,
             include=include,
             exclude=exclude,
+            reread=reread,
         )
 
     def human() -> None:

@@ -51,6 +51,7 @@ INGEST_PARAMETERS = {
     "allow_mass_delete",
     "include",
     "exclude",
+    "reread",
 }
 REINDEX_PARAMETERS = {"collection", "from_source", "eval_dataset", "min_ndcg"}
 WORK_POOL = "quarry"
