@@ -32,12 +32,13 @@ from quarry.fingerprint import (
 )
 from quarry.sources import (
     LOADER_VERSION,
+    Listing,
     LoadFailure,
     SourceSpec,
     UnchangedFile,
     file_mtime,
-    file_uris,
     iter_documents,
+    list_source,
 )
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
@@ -115,6 +116,8 @@ class SourcePlan:
     state: Mapping[str, DocState]
     # The stored documents of each file (a PDF has one per page), by file uri.
     files: Mapping[str, list[DocState]] = field(default_factory=dict)
+    # The source's files as walked for the plan; loading reuses the walk.
+    listing: Listing | None = None
 
 
 class IndexSync:
@@ -239,10 +242,11 @@ class IndexSync:
         files: dict[str, list[DocState]] = {}
         for doc in state.values():
             files.setdefault(_file_uri(doc.uri), []).append(doc)
+        listing = list_source(spec)
         if full_sync and files:
-            gone = len(files.keys() - file_uris(spec))
+            gone = len(files.keys() - listing.uris)
             self._guard_deletes(spec, gone, len(files), allow_mass_delete)
-        return SourcePlan(spec=spec, state=state, files=files)
+        return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
     def plan_documents(self, source: str) -> dict[str, DocState]:
         """Read the index state of the source named ``source`` and record it as planned.
@@ -570,7 +574,10 @@ def _pending_documents(
     def unchanged(uri: str, path: Path) -> bool:
         return sync.unchanged_file(plan, uri, path)
 
-    for item in iter_documents(plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged):
+    items = iter_documents(
+        plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged, listing=plan.listing
+    )
+    for item in items:
         if isinstance(item, UnchangedFile):
             docs = plan.files[item.uri]
             report.files_unread += 1

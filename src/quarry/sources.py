@@ -627,15 +627,17 @@ def iter_documents(
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     unchanged: UnchangedCheck | None = None,
+    listing: Listing | None = None,
 ) -> Iterator[Document | LoadFailure | UnchangedFile]:
     """Every document of a source in discovery order, and a :class:`LoadFailure` per bad file.
 
     Never raises for a single file: binary, too large, undecodable, broken
     files and symlinks out of the root are reported and the walk goes on. A file
     for which ``unchanged`` answers True is not read: an :class:`UnchangedFile`
-    stands for its documents.
+    stands for its documents. ``listing`` (from :func:`list_source`) spares a
+    second walk of the folders.
     """
-    for found in _walk(spec):
+    for found in listing.found if listing is not None else _walk(spec):
         uri = f"{spec.name}/{found.rel}"
         if found.problem is not None or found.real is None:
             yield LoadFailure(uri, found.problem or "cannot read")
@@ -653,9 +655,26 @@ def iter_documents(
             yield LoadFailure(uri, f"{type(exc).__name__}: {exc}")
 
 
-def file_uris(spec: SourceSpec) -> set[str]:
-    """The uris of the files a source holds now (no file is read)."""
-    return {f"{spec.name}/{found.rel}" for found in _walk(spec) if found.problem is None}
+@dataclass(frozen=True)
+class Listing:
+    """One walk of a source (no file read): what :func:`iter_documents` will load.
+
+    A sync lists a source once, checks the listing against the index (the
+    mass-delete guard), then loads from the same listing.
+    """
+
+    spec: SourceSpec
+    found: tuple[_Found, ...]
+
+    @property
+    def uris(self) -> set[str]:
+        """The uris of the files the source holds (those with no problem)."""
+        return {f"{self.spec.name}/{f.rel}" for f in self.found if f.problem is None}
+
+
+def list_source(spec: SourceSpec) -> Listing:
+    """Walk ``spec`` once: its candidate files in order, with any reason to skip one."""
+    return Listing(spec, tuple(_walk(spec)))
 
 
 def _message(exc: UnreadableDocument) -> str:
