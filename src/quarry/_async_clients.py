@@ -23,14 +23,13 @@ import openai
 import tenacity
 from qdrant_client import AsyncQdrantClient, models
 
-from quarry._http import RetryPolicy, TransientFailure, raise_for_status, tls_context
+from quarry._http import RetryPolicy, TransientFailure, async_http_client, raise_for_status
 from quarry.config import DEFAULT_QUERY_TASK, Settings
 from quarry.embeddings import (
     DEFAULT_BATCH_SIZE,
     EmbedDialect,
     ServiceInfo,
     _decode_openai,
-    bearer_headers,
 )
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
 from quarry.fingerprint import CANARY_TEXT, Fingerprint, build_fingerprint
@@ -175,21 +174,15 @@ class AsyncEmbeddingClient:
         self._model = model
         self._profile_override = prompt_profile
         self._dialect = dialect
-        self._http = httpx2.AsyncClient(
-            transport=transport,
-            timeout=timeout,
-            headers=bearer_headers(api_key),
-            verify=tls_context(),
-            limits=_LIMITS,
+        self._http = async_http_client(
+            transport=transport, timeout=timeout, api_key=api_key, limits=_LIMITS
         )
         self._openai = openai.AsyncOpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=api_key or "unused",
             max_retries=0,
             timeout=timeout,
-            http_client=httpx2.AsyncClient(
-                transport=transport, timeout=timeout, limits=_LIMITS, verify=tls_context()
-            ),
+            http_client=async_http_client(transport=transport, timeout=timeout, limits=_LIMITS),
         )
         self._info: ServiceInfo | None = None
         self._info_lock = asyncio.Lock()
@@ -331,12 +324,8 @@ class AsyncRerankClient:
         self._dialect = dialect
         self._batch_size = batch_size
         self._model = model
-        self._http = httpx2.AsyncClient(
-            transport=transport,
-            timeout=timeout,
-            headers=bearer_headers(api_key),
-            verify=tls_context(),
-            limits=_LIMITS,
+        self._http = async_http_client(
+            transport=transport, timeout=timeout, api_key=api_key, limits=_LIMITS
         )
         self._info: ServiceInfo | None = None
         self._info_loaded = False

@@ -37,14 +37,48 @@ REJECTED_STATUS = frozenset({400, 401, 403, 404, 405, 413, 422})
 
 
 @functools.cache
-def tls_context() -> ssl.SSLContext:
-    """The process's default TLS context (CA bundle, ``SSL_CERT_FILE``), built once.
-
-    httpx2 builds one per client, loading the CA bundle each time (about 50 ms of
-    CPU); a command opens several clients, and an ingest benchmark saw it as 5% of
-    the run. Pass it as ``verify=`` to every client quarry builds.
-    """
+def _tls_context() -> ssl.SSLContext:
+    # httpx2 builds a TLS context per client, loading the CA bundle each time (about
+    # 50 ms of CPU); a command opens several clients, and an ingest benchmark saw it
+    # as 5% of the run. One per process (honouring SSL_CERT_FILE) serves them all.
     return httpx2.create_ssl_context()
+
+
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """Authorization header for a service key; the key itself is never logged."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def http_client(
+    *,
+    transport: httpx2.BaseTransport | None = None,
+    timeout: float,
+    api_key: str | None = None,
+) -> httpx2.Client:
+    """An HTTP client for a service: the process's TLS context, ``api_key`` as Bearer."""
+    return httpx2.Client(
+        transport=transport,
+        timeout=timeout,
+        headers=bearer_headers(api_key),
+        verify=_tls_context(),
+    )
+
+
+def async_http_client(
+    *,
+    transport: httpx2.AsyncBaseTransport | None = None,
+    timeout: float,
+    api_key: str | None = None,
+    limits: httpx2.Limits | None = None,
+) -> httpx2.AsyncClient:
+    """The async twin of :func:`http_client`; ``limits`` bounds its connection pool."""
+    return httpx2.AsyncClient(
+        transport=transport,
+        timeout=timeout,
+        headers=bearer_headers(api_key),
+        verify=_tls_context(),
+        limits=limits or httpx2.Limits(),
+    )
 
 
 @dataclass(frozen=True, slots=True)

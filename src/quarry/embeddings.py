@@ -26,9 +26,9 @@ from quarry._http import (
     RetryPolicy,
     TransientFailure,
     call_with_retries,
+    http_client,
     raise_for_status,
     request_json,
-    tls_context,
 )
 from quarry.config import DEFAULT_QUERY_TASK
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceError
@@ -137,11 +137,6 @@ def fetch_info(
     return call_with_retries(policy, target, attempt)
 
 
-def bearer_headers(api_key: str | None) -> dict[str, str]:
-    """Authorization header for a service key; the key itself is never logged."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 class EmbeddingClient:
     """Embeds passages and queries through one service.
 
@@ -172,18 +167,13 @@ class EmbeddingClient:
         self._profile_override = prompt_profile
         self.query_task = query_task
         self._dialect = dialect
-        self._http = httpx2.Client(
-            transport=transport,
-            timeout=timeout,
-            headers=bearer_headers(api_key),
-            verify=tls_context(),
-        )
+        self._http = http_client(transport=transport, timeout=timeout, api_key=api_key)
         self._openai = openai.OpenAI(
             base_url=f"{self.base_url}/v1",
             api_key=api_key or "unused",
             max_retries=0,
             timeout=timeout,
-            http_client=httpx2.Client(transport=transport, timeout=timeout, verify=tls_context()),
+            http_client=http_client(transport=transport, timeout=timeout),
         )
         self._info: ServiceInfo | None = None
         self._info_lock = threading.Lock()

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import httpx2
 
-from quarry._http import RetryPolicy, request_json, tls_context
-from quarry.embeddings import ServiceInfo, bearer_headers, fetch_info
+from quarry._http import RetryPolicy, http_client, request_json
+from quarry.embeddings import ServiceInfo, fetch_info
 from quarry.errors import BadResponse, InputTooLong
 
 RerankDialect = Literal["auto", "tei", "cohere"]
@@ -47,12 +47,7 @@ class RerankClient:
         self._dialect = dialect
         self._batch_size = batch_size
         self._model = model
-        self._http = httpx2.Client(
-            transport=transport,
-            timeout=timeout,
-            headers=bearer_headers(api_key),
-            verify=tls_context(),
-        )
+        self._http = http_client(transport=transport, timeout=timeout, api_key=api_key)
         self._info: ServiceInfo | None = None
         self._info_loaded = False
         self._lock = threading.Lock()
