@@ -61,17 +61,18 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import tiktoken
 
+from quarry._pieces import PieceCounts, pretokenize
 from quarry.documents import Chunk, Document
 from quarry.errors import ConfigError
 
 ENCODING_NAME = "cl100k_base"
 # Bump whenever the chunks a text gives can change: the version is recorded with
 # a collection, and a new version re-chunks every document on the next sync.
-CHUNKER_VERSION = 1
+CHUNKER_VERSION = 2
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -179,8 +180,20 @@ def _token_tables() -> tuple[tuple[int, ...], bytes, bytes, bytes, bytes]:
     )
 
 
+@functools.cache
+def _piece_counts() -> PieceCounts:
+    return PieceCounts(get_encoding().encode_ordinary)
+
+
 def count_tokens(text: str) -> int:
-    """How many ``cl100k_base`` tokens ``text`` is (special-token text counts as plain text)."""
+    """How many ``cl100k_base`` tokens ``text`` is (special-token text counts as plain text).
+
+    Exact; ASCII text is counted piece by piece with cached counts (see
+    ``quarry._pieces``), anything else is encoded.
+    """
+    ps = pretokenize(text)
+    if ps is not None:
+        return _piece_counts().total(ps)
     return len(get_encoding().encode_ordinary(text))
 
 
@@ -424,12 +437,15 @@ class _Unit:
     level: int  # strength of the boundary at ``start``
     headings: tuple[str, ...]
     ntok: int
-    toks: Sequence[int]  # tokens of this unit are toks[t0:t1] (a shared list)
+    # This unit is toks[t0:t1] of a shared list: token ids, or the pre-tokenizer
+    # pieces of ASCII text when ``pieces`` (counts from _piece_counts()).
+    toks: Sequence[int] | Sequence[str]
     t0: int
     t1: int
     exact: bool = True  # ntok == count_tokens(text[start:end])
     seam: bool = True  # count(x + this) == count(x) + count(this) for any x ending at start
     heading_only: bool = False
+    pieces: bool = False
 
 
 @dataclass(slots=True)
@@ -438,10 +454,13 @@ class _Span:
 
     segment: str
     base: int
-    toks: list[int]
-    cum: list[int]  # cum[i] = UTF-8 bytes of toks[:i]
-    ascii_only: bool
+    # Token ids, or (``pieces``) one entry per token: each piece of the text
+    # preceded by an empty string for each token it has beyond its first.
+    toks: Sequence[int] | Sequence[str]
+    cum: list[int]  # cum[i] = UTF-8 bytes (characters when ``pieces``) of toks[:i]
+    ascii_only: bool  # offsets in ``cum`` are character offsets
     crumbs: tuple[str, ...]
+    pieces: bool = False
 
 
 @dataclass(slots=True)
@@ -564,6 +583,7 @@ class Chunker:
     def _units(self, text: str, markup: Markup) -> Iterator[_Unit]:
         enc = get_encoding()
         encode = enc.encode_ordinary
+        counts = _piece_counts()
         limit = self._unit_max
         presplit = 3 * limit
         stack: list[tuple[int, str]] = []
@@ -584,8 +604,14 @@ class Chunker:
                 crumbs = tuple(t for _, t in stack)
                 heading_only = not current.absorbed
             if end - start <= presplit:  # the common case: a short unit that fits
-                toks = encode(text[start:end])
-                ntok = len(toks)
+                segment = text[start:end]
+                ps = pretokenize(segment)
+                if ps is not None:
+                    ntok = counts.total(ps)
+                    seq: Sequence[int] | Sequence[str] = ps
+                else:
+                    seq = encode(segment)
+                    ntok = len(seq)
                 if ntok <= limit:
                     yield _Unit(
                         start,
@@ -593,12 +619,13 @@ class Chunker:
                         current.level,
                         crumbs,
                         ntok,
-                        toks,
+                        seq,
                         0,
-                        ntok,
+                        len(seq),
                         True,
                         True,
                         heading_only,
+                        ps is not None,
                     )
                     current = upcoming
                     continue
@@ -612,6 +639,16 @@ class Chunker:
                 segment = text[s:e]
                 if e - s > presplit and cuts[0] == SENTENCE:
                     yield from self._sentences(segment, s, lvl, seam, crumbs, cuts, heading_only)
+                    continue
+                ps = pretokenize(segment)
+                if ps is not None:
+                    ntok = counts.total(ps)
+                    if ntok <= limit:
+                        yield _Unit(
+                            s, e, lvl, crumbs, ntok, ps, 0, len(ps), True, seam, heading_only, True
+                        )
+                    else:
+                        yield from self._refine_pieces(segment, s, ps, lvl, seam, crumbs, cuts)
                     continue
                 toks = encode(segment)
                 if len(toks) <= limit:
@@ -655,6 +692,14 @@ class Chunker:
         if n - bounds[-1] > group and previous > bounds[-1]:
             bounds.append(previous)
         bounds.append(n)
+        ps = pretokenize(segment)
+        if ps is not None:
+            piece_units = self._sentence_pieces(
+                ps, segment, base, bounds, level, seam, crumbs, heading_only, cuts[1:]
+            )
+            if piece_units is not None:
+                yield from piece_units
+                return
         pieces = [encode(segment[a:b]) for a, b in itertools.pairwise(bounds)]
         total = sum(map(len, pieces))
         if total <= limit or len(pieces) == 1:
@@ -675,6 +720,82 @@ class Chunker:
                 )
             else:
                 yield from self._refine(segment[a:b], base + a, toks, lvl, sm, crumbs, cuts[1:])
+
+    def _sentence_pieces(
+        self,
+        ps: list[str],
+        segment: str,
+        base: int,
+        bounds: list[int],
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        heading_only: bool,
+        cuts: tuple[int, ...],
+    ) -> list[_Unit] | None:
+        """:meth:`_sentences` for prose whose pieces are ``ps`` (see ``quarry._pieces``).
+
+        Sentence cuts are piece boundaries, so each group's count is a sum over
+        the pieces of the whole segment; only a group over the limit is encoded
+        (and cut at ``cuts``). None when a cut is not a piece boundary after
+        all; the caller then encodes every group.
+        """
+        limit = self._unit_max
+        n = len(segment)
+        cum_tok = list(itertools.accumulate(map(_piece_counts().__getitem__, ps), initial=0))
+        if cum_tok[-1] <= limit:
+            ntok = cum_tok[-1]
+            return [
+                _Unit(
+                    base,
+                    base + n,
+                    level,
+                    crumbs,
+                    ntok,
+                    ps,
+                    0,
+                    len(ps),
+                    True,
+                    seam,
+                    heading_only,
+                    True,
+                )
+            ]
+        cum_chars = list(itertools.accumulate(map(len, ps), initial=0))
+        units: list[_Unit] = []
+        j0 = 0
+        for k in range(1, len(bounds)):
+            b = bounds[k]
+            j1 = bisect.bisect_left(cum_chars, b)
+            if j1 >= len(cum_chars) or cum_chars[j1] != b:
+                return None
+            ntok = cum_tok[j1] - cum_tok[j0]
+            lvl, sm = (level, seam) if k == 1 else (SENTENCE, True)
+            if ntok > limit:
+                a = bounds[k - 1]
+                units.extend(
+                    self._refine_pieces(segment[a:b], base + a, ps[j0:j1], lvl, sm, crumbs, cuts)
+                )
+                j0 = j1
+                continue
+            units.append(
+                _Unit(
+                    base + bounds[k - 1],
+                    base + b,
+                    lvl,
+                    crumbs,
+                    ntok,
+                    ps,
+                    j0,
+                    j1,
+                    True,
+                    sm,
+                    False,
+                    True,
+                )
+            )
+            j0 = j1
+        return units
 
     def _windows(
         self, text: str, start: int, end: int, level: int
@@ -712,6 +833,33 @@ class Chunker:
         span.cum = list(itertools.accumulate(map(lengths.__getitem__, toks), initial=0))
         yield from self._refine_span(span, 0, len(segment), 0, len(toks), level, seam, cuts)
 
+    def _refine_pieces(
+        self,
+        segment: str,
+        base: int,
+        pieces: Sequence[str],
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        cuts: tuple[int, ...],
+    ) -> Iterator[_Unit]:
+        """:meth:`_refine` for text split into pieces (see ``quarry._pieces``): nothing is encoded.
+
+        Every cut :meth:`_refine_span` makes at sentences, lines and words is a
+        piece boundary, so one entry per token, with the piece's text on its
+        last, lets it count tokens by index as it does with token ids.
+        """
+        counts = _piece_counts()
+        toks: list[str] = []
+        for piece in pieces:
+            extra = counts[piece] - 1
+            if extra > 0:
+                toks.extend(itertools.repeat("", extra))
+            toks.append(piece)
+        cum = list(itertools.accumulate(map(len, toks), initial=0))
+        span = _Span(segment, base, toks, cum, True, crumbs, True)
+        yield from self._refine_span(span, 0, len(segment), 0, len(toks), level, seam, cuts)
+
     def _refine_span(
         self,
         span: _Span,
@@ -728,7 +876,18 @@ class Chunker:
         segment, base = span.segment, span.base
         if t1 - t0 <= limit:
             yield _Unit(
-                base + s, base + e, level, span.crumbs, t1 - t0, span.toks, t0, t1, True, seam
+                base + s,
+                base + e,
+                level,
+                span.crumbs,
+                t1 - t0,
+                span.toks,
+                t0,
+                t1,
+                True,
+                seam,
+                False,
+                span.pieces,
             )
             return
         for i, cut_level in enumerate(cuts):
@@ -1006,15 +1165,17 @@ class _Packer:
         if self.overlap == 0 or nxt.level == HEADING:
             return nxt.start, 0
         floor = spec.units[0].start  # never reach into the chunk before
+        if spec.units[-1].pieces:
+            return self._overlap_from_pieces(spec, nxt, floor)
         tail: list[int] = []
         known = True  # whether ``tail`` is the real tokenization of the text it covers
         for unit in reversed(spec.units):
             need = self.overlap - len(tail)
-            if need <= 0:
+            if need <= 0 or unit.pieces:
                 break
             if not unit.exact or (need > unit.t1 - unit.t0 and not unit.seam):
                 known = False
-            tail[:0] = unit.toks[max(unit.t0, unit.t1 - need) : unit.t1]
+            tail[:0] = cast("Sequence[int]", unit.toks)[max(unit.t0, unit.t1 - need) : unit.t1]
         if not tail:
             return nxt.start, 0
         text = self.text
@@ -1043,6 +1204,40 @@ class _Packer:
             if count <= self.overlap:
                 return m.start(), count
         return nxt.start, 0
+
+    def _overlap_from_pieces(self, spec: _Spec, nxt: _Unit, floor: int) -> tuple[int, int]:
+        """:meth:`_overlap_for` when the chunk ends in ASCII units counted by pieces.
+
+        Walks the pieces back from the end while they fit in ``overlap`` and
+        keeps the earliest token-additive place passed: a piece starting with a
+        space or tab after a printable character, or a printable piece at a line
+        start. The same places the token tables find, one word at a time.
+        """
+        text = self.text
+        counts = _piece_counts()
+        place, count = nxt.start, 0
+        acc = 0
+        pos = spec.units[-1].end
+        for unit in reversed(spec.units):
+            if not unit.pieces:
+                break
+            ps = cast("Sequence[str]", unit.toks)
+            for i in range(unit.t1 - 1, unit.t0 - 1, -1):
+                piece = ps[i]
+                if not piece:
+                    continue  # a placeholder for a token of the piece after it
+                acc += counts[piece]
+                pos -= len(piece)
+                if acc > self.overlap or pos <= floor:
+                    return place, count
+                before, first = text[pos - 1], piece[0]
+                if ("!" <= before <= "~" and first in " \t") or (
+                    before == "\n" and "!" <= first <= "~"
+                ):
+                    place, count = pos, acc
+            if not unit.seam:
+                break
+        return place, count
 
     def finish(self) -> list[tuple[int, int, int, tuple[str, ...]]]:
         """Flush what is pending and the held chunk; call once, at the end of the text."""
