@@ -173,6 +173,10 @@ def test_query_returns_reranked_passages_best_first(app: TestClient) -> None:
     assert all(result["rerank_score"] == result["score"] for result in results)
     assert results[0]["uri"] == "corpus/notes/gamma.txt"
     assert set(body["timings_ms"]) == {"embed", "search", "rerank", "total"}
+    # The server's whole time on the request covers the query path inside it.
+    name, _, duration = response.headers["server-timing"].partition(";dur=")
+    assert name == "app"
+    assert float(duration) >= body["timings_ms"]["total"]
     assert "warning" not in response.headers
     collections = app.get("/v1/collections", headers=AUTH).json()["collections"]
     assert body["model"] == collections[0]["model"]

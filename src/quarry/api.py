@@ -452,7 +452,13 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+                headers = MutableHeaders(scope=message)
+                headers.append(REQUEST_ID_HEADER, request_id)
+                # Time in the server from the request's arrival to this response
+                # (https://www.w3.org/TR/server-timing/): what a client sees beyond it
+                # is its own HTTP stack and the network.
+                elapsed = (time.perf_counter() - started) * 1000
+                headers.append("Server-Timing", f"app;dur={elapsed:.2f}")
             await send(message)
 
         try:
