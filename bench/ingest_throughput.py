@@ -157,12 +157,15 @@ def quarry_once(store: Any, url: str, corpus_dir: Path) -> tuple[float, float, d
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from quarry.chunking import Chunker
+    from quarry.chunking import Chunker, forget_piece_counts
     from quarry.config import Settings
     from quarry.embeddings import EmbeddingClient
     from quarry.ingest import IndexSync, run_sync
     from quarry.sources import open_source
 
+    # This process has chunked the corpus already (for the capacity client): start
+    # from no cached token counts, as a fresh ingest process would.
+    forget_piece_counts()
     settings = Settings()
     embedder = EmbeddingClient(url)
     sync = IndexSync(
@@ -241,7 +244,7 @@ def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
     """
     from qdrant_client import QdrantClient, models
 
-    from quarry.chunking import Chunker, count_tokens
+    from quarry.chunking import Chunker, count_tokens, forget_piece_counts
     from quarry.documents import Document
     from quarry.sources import iter_documents, open_source
     from quarry.store import tune_local_storage
@@ -251,6 +254,7 @@ def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
     docs = [d for d in iter_documents(open_source(corpus_dir)) if isinstance(d, Document)]
     out["load_cpu_s"] = time.process_time() - started
     count_tokens("warm up the encoder")
+    forget_piece_counts()
     chunker = Chunker(CHUNK_TOKENS, CHUNK_OVERLAP)
     started = time.process_time()
     for doc in docs:

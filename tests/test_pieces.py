@@ -83,7 +83,7 @@ def test_characters_outside_the_checked_set_are_not_split() -> None:
 
 def test_the_piece_cache_is_bounded_and_skips_long_pieces() -> None:
     encode = get_encoding().encode_ordinary
-    counts = PieceCounts(encode, max_entries=3)
+    counts = PieceCounts(lambda piece: len(encode(piece)), max_entries=3)
     words = [" alpha", " beta", " gamma", " delta", " epsilon"]
     assert [counts[w] for w in words] == [len(encode(w)) for w in words]
     assert len(counts) <= 3

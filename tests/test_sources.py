@@ -417,3 +417,19 @@ def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
     assert [d.uri for d in items if not isinstance(d, LoadFailure)] == ["root/a.md"]
     [failure] = [f for f in items if isinstance(f, LoadFailure)]
     assert failure.uri == "root/b.md" and "symlink" in failure.error
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_file_longer_than_its_stat_size_is_read_whole() -> None:
+    # /proc files stat as 0 bytes; the loader reads what fstat reports, then on to the end.
+    from quarry.sources import _load_file
+
+    documents = _load_file(
+        Path("/proc/self/status"),
+        "proc/status.txt",
+        name=Path("status.txt"),
+        max_file_bytes=1_000_000,
+    )
+    assert len(documents) == 1
+    assert "Pid:" in documents[0].text
+    assert len(documents[0].text) > 100

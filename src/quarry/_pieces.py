@@ -97,14 +97,14 @@ class PieceCounts(dict[str, int]):
     a long-running worker's memory stays flat (about 100 bytes an entry).
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], max_entries: int = 200_000) -> None:
-        """Count uncached pieces with ``encode`` (tiktoken's ``encode_ordinary``)."""
+    def __init__(self, count: Callable[[str], int], max_entries: int = 200_000) -> None:
+        """Count uncached pieces with ``count`` (the length of tiktoken's BPE of the piece)."""
         super().__init__()
-        self._encode = encode
+        self._count = count
         self._max_entries = max_entries
 
     def __missing__(self, piece: str) -> int:
-        count = len(self._encode(piece))
+        count = self._count(piece)
         if len(piece) <= _MAX_CACHED_PIECE:
             if len(self) >= self._max_entries:
                 self.clear()

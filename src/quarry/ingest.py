@@ -396,13 +396,17 @@ class IndexSync:
                 )
         now = datetime.now(UTC).isoformat()
         total = len(pieces)
+        # The same for every point of the document (model_key hashes JSON each time).
+        model_key = self.fingerprint.model_key
+        source = document.uri.split("/", 1)[0]
+        prefixes = path_prefixes(document.uri)
         points = []
         for index, (chunk, text, char_start, char_end, vector) in enumerate(pieces):
             payload: dict[str, Any] = {
                 "doc_id": document.doc_id,
                 "uri": document.uri,
-                "source": document.uri.split("/", 1)[0],
-                "path_prefixes": path_prefixes(document.uri),
+                "source": source,
+                "path_prefixes": list(prefixes),
                 "title": document.title,
                 "chunk_index": index,
                 "chunk_count": total,
@@ -412,7 +416,7 @@ class IndexSync:
                 "token_count": chunk.token_count if len(text) == len(chunk.text) else None,
                 "char_start": char_start,
                 "char_end": char_end,
-                "model_key": self.fingerprint.model_key,
+                "model_key": model_key,
                 "ingested_at": now,
                 "metadata": dict(document.metadata),
             }

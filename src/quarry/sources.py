@@ -527,7 +527,11 @@ def _load_file(
                     f"file is {stat.st_size} bytes, over the {max_file_bytes}-byte limit "
                     "(QUARRY_MAX_FILE_BYTES); skipped",
                 )
-            data = handle.read(max_file_bytes + 1)
+            # Ask for what fstat says is there (plus one byte, to see growth), not the
+            # limit: a 20 MB read buffer per small file costs more than reading it.
+            data = handle.read(min(stat.st_size, max_file_bytes) + 1)
+            if len(data) > stat.st_size:  # grew since fstat: read on, up to the limit
+                data += handle.read(max_file_bytes + 1 - len(data))
     except OSError as exc:
         if no_follow and exc.errno == errno.ELOOP:
             raise _fail(uri, "became a symlink after the folder was listed; not followed") from None
