@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import sqlite3
+import uuid
 from pathlib import Path
+
+import pytest
+from qdrant_client import models
 
 from quarry.config import Settings
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
@@ -38,3 +42,43 @@ def test_two_rebuilds_in_one_second_get_distinct_names(tmp_path: Path) -> None:
         assert all(name.startswith("kb__") for name in names)
     finally:
         store.close()
+
+
+def _point(doc: str, index: int, count: int, source: str) -> models.PointStruct:
+    return models.PointStruct(
+        id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"{doc}/{index}")),
+        vector=[0.5, 0.5, 0.5, 0.5],
+        payload={
+            "doc_id": doc,
+            "uri": f"{source}/{doc}.md",
+            "source": source,
+            "doc_hash": f"hash-{doc}",
+            "chunk_count": count,
+            "chunk_index": index,
+            "text": "x",
+            "metadata": {"mtime": "2026-01-01T00:00:00+00:00", "size": 3, "loader": 1},
+        },
+    )
+
+
+def test_index_state_reads_local_payloads_in_place_and_agrees_with_a_scroll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = VectorStore(open_client(Settings(data_dir=tmp_path, collection="kb")), "kb")
+    try:
+        physical = store.create(_fingerprint(), {})
+        store.upsert([_point("a", i, 3, "docs") for i in range(3)])
+        store.upsert([_point("b", i, 2, "notes") for i in range(2)])
+        store.upsert([_point("c", 0, 1, "docs")])
+        store.delete_stale_chunks("a", 2)  # a's chunk 2 is deleted: a flag, not a removal
+        store.delete_documents(["c"])
+        assert store._local_payloads(physical) is not None  # the fast path, not the fallback
+        in_place = {source: store.index_state(source) for source in (None, "docs", "notes")}
+        monkeypatch.setattr(VectorStore, "_local_payloads", lambda self, physical: None)
+        scrolled = {source: store.index_state(source) for source in (None, "docs", "notes")}
+    finally:
+        store.close()
+    assert in_place == scrolled
+    assert sorted(in_place[None]) == ["a", "b"]
+    assert in_place[None]["a"].indexes == {0, 1} and in_place[None]["a"].points == 2
+    assert sorted(in_place["docs"]) == ["a"]

@@ -271,13 +271,16 @@ class VectorStore:
     def index_state(self, source: str | None = None) -> dict[str, DocState]:
         """Per-document state from the points themselves, optionally for one source."""
         states: dict[str, DocState] = {}
-        records: Iterable[models.Record]
+        payloads: Iterable[Mapping[str, Any]] | None = None
         if self.is_local:
-            # Local mode evaluates a filter in Python on every point, once per page:
-            # one unfiltered page of everything, filtered here, is several times faster.
-            records = self.scroll(fields=_SCAN_FIELDS, page=self.count() + 1)
+            payloads = self._local_payloads(self._require())
+            if payloads is None:
+                # Local mode evaluates a filter in Python on every point, once per page:
+                # one unfiltered page of everything, filtered here, is several times faster.
+                records = self.scroll(fields=_SCAN_FIELDS, page=self.count() + 1)
+                payloads = (point.payload or {} for point in records)
             if source is not None:
-                records = (p for p in records if (p.payload or {}).get("source") == source)
+                payloads = (p for p in payloads if p.get("source") == source)
         else:
             query_filter = None
             if source is not None:
@@ -287,8 +290,8 @@ class VectorStore:
                     ]
                 )
             records = self.scroll(query_filter=query_filter, fields=_SCAN_FIELDS)
-        for point in records:
-            payload = point.payload or {}
+            payloads = (point.payload or {} for point in records)
+        for payload in payloads:
             doc_id = str(payload.get("doc_id"))
             state = states.get(doc_id)
             if state is None:
@@ -299,6 +302,29 @@ class VectorStore:
             state.stamps.add(FileStamp.from_metadata(payload.get("metadata") or {}))
             state.points += 1
         return states
+
+    def _local_payloads(self, physical: str) -> Iterator[Mapping[str, Any]] | None:
+        """The live payloads of a local-mode collection, read in place; None if unavailable.
+
+        A local-mode scroll deep-copies every payload it returns, and on a re-ingest
+        that copy was most of the run. This reads qdrant-client's in-process
+        collection (its ``payload`` list and ``deleted`` flags) without copying or
+        changing anything; with any other layout it returns None and the caller
+        scrolls. tests/test_store.py checks both ways give the same state.
+        """
+        local = getattr(self.client, "_client", None)
+        collections = getattr(local, "collections", None)
+        collection = collections.get(physical) if isinstance(collections, dict) else None
+        payloads = getattr(collection, "payload", None)
+        deleted = getattr(collection, "deleted", None)
+        if not isinstance(payloads, list) or deleted is None or len(deleted) != len(payloads):
+            return None
+        flags = deleted.tolist()
+        return (
+            payload
+            for payload, gone in zip(payloads[: len(flags)], flags, strict=True)
+            if not gone and isinstance(payload, Mapping)
+        )
 
     def scroll(
         self,
