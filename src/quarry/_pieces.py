@@ -104,6 +104,8 @@ class PieceCounts(dict[str, int]):
         self._max_entries = max_entries
 
     def __missing__(self, piece: str) -> int:
+        if not piece:
+            return 0  # tiktoken's single-piece BPE panics on an empty piece
         count = self._count(piece)
         if len(piece) <= _MAX_CACHED_PIECE:
             if len(self) >= self._max_entries:

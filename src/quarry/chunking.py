@@ -1216,38 +1216,43 @@ class _Packer:
         return nxt.start, 0
 
     def _overlap_from_pieces(self, spec: _Spec, nxt: _Unit, floor: int) -> tuple[int, int]:
-        """:meth:`_overlap_for` when the chunk ends in ASCII units counted by pieces.
+        """:meth:`_overlap_for` when the chunk ends in units counted by pieces.
 
-        Walks the pieces back from the end while they fit in ``overlap`` and
-        keeps the earliest token-additive place passed: a piece starting with a
-        space or tab after a printable character, or a printable piece at a line
-        start. The same places the token tables find, one word at a time.
+        The earliest token-additive place among the tail pieces that fit in
+        ``overlap`` tokens: a piece starting with a space or tab after a
+        printable character, or a printable piece at a line start. The same
+        places the token tables find, one word at a time.
         """
-        text = self.text
-        counts = _piece_counts()
-        place, count = nxt.start, 0
-        acc = 0
-        pos = spec.units[-1].end
+        limit = self.overlap
+        tail: list[str] = []  # the chunk's last pieces, last first
         for unit in reversed(spec.units):
             if not unit.pieces:
                 break
             ps = cast("Sequence[str]", unit.toks)
-            for i in range(unit.t1 - 1, unit.t0 - 1, -1):
-                piece = ps[i]
-                if not piece:
-                    continue  # a placeholder for a token of the piece after it
-                acc += counts[piece]
-                pos -= len(piece)
-                if acc > self.overlap or pos <= floor:
-                    return place, count
-                before, first = text[pos - 1], piece[0]
-                if ("!" <= before <= "~" and first in " \t") or (
-                    before == "\n" and "!" <= first <= "~"
-                ):
-                    place, count = pos, acc
-            if not unit.seam:
-                break
-        return place, count
+            # An entry is at least one token (a placeholder is exactly one), so
+            # limit + 1 entries always reach past ``limit`` tokens.
+            lo = max(unit.t0, unit.t1 - limit - 1)
+            tail.extend(reversed(ps[lo : unit.t1]))
+            if lo > unit.t0 or not unit.seam:
+                break  # enough pieces, or counts do not add up across this unit's start
+        if not tail:
+            return nxt.start, 0
+        counts = _piece_counts()
+        tokens = list(itertools.accumulate(map(counts.__getitem__, tail)))
+        chars = list(itertools.accumulate(map(len, tail)))
+        fits = bisect.bisect_right(tokens, limit)  # tail[:fits] fit in the overlap
+        text, end = self.text, spec.units[-1].end
+        for i in range(fits - 1, -1, -1):  # earliest place first: the most overlap
+            piece = tail[i]
+            pos = end - chars[i]
+            if not piece or pos <= floor:
+                continue  # a placeholder is not a place; never reach the chunk's start
+            before, first = text[pos - 1], piece[0]
+            if ("!" <= before <= "~" and first in " \t") or (
+                before == "\n" and "!" <= first <= "~"
+            ):
+                return pos, tokens[i]
+        return nxt.start, 0
 
     def finish(self) -> list[tuple[int, int, int, tuple[str, ...]]]:
         """Flush what is pending and the held chunk; call once, at the end of the text."""
