@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quarry import chunking
 from quarry.chunking import (
     CHUNKER_VERSION,
     Chunker,
@@ -145,6 +146,21 @@ def test_same_input_same_chunks(args: tuple[str, int, int, str]) -> None:
     first = chunks_of(text, max_tokens, overlap, markup)
     again = chunks_of(text, max_tokens, overlap, markup)
     assert first == again
+
+
+@PROPERTY_SETTINGS
+@given(chunk_args())
+def test_counting_by_pieces_gives_the_chunks_that_encoding_gives(
+    args: tuple[str, int, int, str],
+) -> None:
+    # With pretokenize refusing every text, each unit is encoded with tiktoken (the
+    # chunker before quarry._pieces, version 1): the chunks must not change.
+    text, max_tokens, overlap, markup = args
+    by_pieces = chunks_of(text, max_tokens, overlap, markup)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunking, "pretokenize", lambda text: None)
+        by_tokens = chunks_of(text, max_tokens, overlap, markup)
+    assert by_pieces == by_tokens
 
 
 @PROPERTY_SETTINGS

@@ -72,7 +72,7 @@ from quarry.errors import ConfigError
 ENCODING_NAME = "cl100k_base"
 # Bump whenever the chunks a text gives can change: the version is recorded with
 # a collection, and a new version re-chunks every document on the next sync.
-CHUNKER_VERSION = 2
+CHUNKER_VERSION = 1
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -1176,16 +1176,23 @@ class _Packer:
             return nxt.start, 0
         floor = spec.units[0].start  # never reach into the chunk before
         if spec.units[-1].pieces:
-            return self._overlap_from_pieces(spec, nxt, floor)
+            found = self._overlap_from_pieces(spec, nxt, floor)
+            if found is not None:
+                return found
         tail: list[int] = []
         known = True  # whether ``tail`` is the real tokenization of the text it covers
         for unit in reversed(spec.units):
             need = self.overlap - len(tail)
-            if need <= 0 or unit.pieces:
+            if need <= 0:
                 break
             if not unit.exact or (need > unit.t1 - unit.t0 and not unit.seam):
                 known = False
-            tail[:0] = cast("Sequence[int]", unit.toks)[max(unit.t0, unit.t1 - need) : unit.t1]
+            if unit.pieces:  # a tail that runs into other units: their tokens, encoded now
+                toks = get_encoding().encode_ordinary(self.text[unit.start : unit.end])
+                tail[:0] = toks[max(0, len(toks) - need) :]
+            else:
+                toks = cast("list[int]", unit.toks)
+                tail[:0] = toks[max(unit.t0, unit.t1 - need) : unit.t1]
         if not tail:
             return nxt.start, 0
         text = self.text
@@ -1215,32 +1222,38 @@ class _Packer:
                 return m.start(), count
         return nxt.start, 0
 
-    def _overlap_from_pieces(self, spec: _Spec, nxt: _Unit, floor: int) -> tuple[int, int]:
-        """:meth:`_overlap_for` when the chunk ends in units counted by pieces.
+    def _overlap_from_pieces(self, spec: _Spec, nxt: _Unit, floor: int) -> tuple[int, int] | None:
+        """:meth:`_overlap_for` when the chunk's tail lies in units counted by pieces.
 
         The earliest token-additive place among the tail pieces that fit in
-        ``overlap`` tokens: a piece starting with a space or tab after a
-        printable character, or a printable piece at a line start. The same
-        places the token tables find, one word at a time.
+        fewer than ``overlap`` tokens: a piece starting with a space or tab
+        after a printable character, or a printable piece at a line start. The
+        same places the token tables find, one word at a time, so the chunks
+        are those of chunker version 1. None when the tail reaches into a unit
+        held as tokens or across a seam; the token path then decides.
         """
         limit = self.overlap
         tail: list[str] = []  # the chunk's last pieces, last first
+        need = limit
         for unit in reversed(spec.units):
-            if not unit.pieces:
-                break
+            if not unit.pieces or (need > unit.ntok and not unit.seam):
+                return None
             ps = cast("Sequence[str]", unit.toks)
             # An entry is at least one token (a placeholder is exactly one), so
             # limit + 1 entries always reach past ``limit`` tokens.
             lo = max(unit.t0, unit.t1 - limit - 1)
             tail.extend(reversed(ps[lo : unit.t1]))
-            if lo > unit.t0 or not unit.seam:
-                break  # enough pieces, or counts do not add up across this unit's start
+            need -= unit.ntok
+            if need <= 0:
+                break
         if not tail:
             return nxt.start, 0
         counts = _piece_counts()
         tokens = list(itertools.accumulate(map(counts.__getitem__, tail)))
         chars = list(itertools.accumulate(map(len, tail)))
-        fits = bisect.bisect_right(tokens, limit)  # tail[:fits] fit in the overlap
+        # tail[:fits] come to fewer than ``limit`` tokens (version 1 never began an
+        # overlap exactly ``limit`` tokens back).
+        fits = bisect.bisect_left(tokens, limit)
         text, end = self.text, spec.units[-1].end
         for i in range(fits - 1, -1, -1):  # earliest place first: the most overlap
             piece = tail[i]
