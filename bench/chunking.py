@@ -392,7 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\nchunk size {args.max_tokens} tokens, overlap {args.overlap}; "
         f"MB/s from CPU time, best of {args.rounds}; x limit: median over passes each paired "
-        f"with a limit pass; sizes in cl100k_base tokens; "
+        f"with a limit pass; quarry Chunker: each pass from an empty piece-count cache, as a "
+        f"fresh process (the row the targets use); warm cache: the cache the pass before left; "
+        f"sizes in cl100k_base tokens; "
         f"<1/4: share of chunks under {args.max_tokens // 4} tokens; "
         f">max: chunks over {args.max_tokens} tokens"
     )

@@ -644,6 +644,16 @@ def _ingest_findings(r: dict[str, Any]) -> list[str]:
         "re-evaluates in Python for every page of 1,024 points (quadratic: 7.8 s for 20,000 "
         "points); it now reads one unfiltered page in local mode. It also read and hashed "
         "every file; files whose stamp (mtime, size) is as indexed are now skipped unread.",
+        "- Fixed: that unfiltered page still deep-copied every payload (local mode copies "
+        "what a scroll returns): most of a re-ingest. In local mode the state is now read "
+        "from qdrant-client's in-process payloads without a copy (0.15 -> 0.05 s here), "
+        "with the scroll kept as the fallback.",
+        "- Fixed: chunking ran tiktoken's BPE over every unit. It now counts by tiktoken's "
+        "pre-tokenizer pieces with a cache of per-piece counts (`quarry._pieces`; same "
+        "chunks, checked against encoding), 0.6 -> 0.4-0.5 CPU-s for this corpus from a cold "
+        "cache. Each file was read with a 20 MB buffer (the size limit); now with the size "
+        "fstat reports (load 0.23 -> 0.17 CPU-s). Per-document payload fields, among them "
+        "`model_key` (a JSON hash), were computed once per point.",
         "",
     ]
     return lines
