@@ -69,7 +69,7 @@ def async_http_client(
     transport: httpx2.AsyncBaseTransport | None = None,
     timeout: float,
     api_key: str | None = None,
-    limits: httpx2.Limits | None = None,
+    limits: httpx2.Limits,
 ) -> httpx2.AsyncClient:
     """The async twin of :func:`http_client`; ``limits`` bounds its connection pool."""
     return httpx2.AsyncClient(
@@ -77,7 +77,7 @@ def async_http_client(
         timeout=timeout,
         headers=bearer_headers(api_key),
         verify=_tls_context(),
-        limits=limits or httpx2.Limits(),
+        limits=limits,
     )
 
 

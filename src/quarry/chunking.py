@@ -198,8 +198,8 @@ def forget_piece_counts() -> None:
 def count_tokens(text: str) -> int:
     """How many ``cl100k_base`` tokens ``text`` is (special-token text counts as plain text).
 
-    Exact; ASCII text is counted piece by piece with cached counts (see
-    ``quarry._pieces``), anything else is encoded.
+    Exact; text that ``quarry._pieces`` can split is counted piece by piece with
+    cached counts, anything else is encoded.
     """
     ps = pretokenize(text)
     if ps is not None:
@@ -447,8 +447,8 @@ class _Unit:
     level: int  # strength of the boundary at ``start``
     headings: tuple[str, ...]
     ntok: int
-    # This unit is toks[t0:t1] of a shared list: token ids, or the pre-tokenizer
-    # pieces of ASCII text when ``pieces`` (counts from _piece_counts()).
+    # This unit is toks[t0:t1] of a shared list: token ids, or (``pieces``) the
+    # pre-tokenizer pieces of its text, as _Span describes (counts from _piece_counts()).
     toks: Sequence[int] | Sequence[str]
     t0: int
     t1: int
@@ -467,8 +467,8 @@ class _Span:
     # Token ids, or (``pieces``) one entry per token: each piece of the text
     # preceded by an empty string for each token it has beyond its first.
     toks: Sequence[int] | Sequence[str]
-    cum: list[int]  # cum[i] = UTF-8 bytes (characters when ``pieces``) of toks[:i]
-    ascii_only: bool  # offsets in ``cum`` are character offsets
+    cum: list[int]  # cum[i] = UTF-8 bytes (characters when char_offsets) of toks[:i]
+    char_offsets: bool  # ``cum`` counts characters (ASCII text, or pieces), not bytes
     crumbs: tuple[str, ...]
     pieces: bool = False
 
@@ -613,38 +613,13 @@ class Chunker:
                 stack.append((level, title))
                 crumbs = tuple(t for _, t in stack)
                 heading_only = not current.absorbed
-            if end - start <= presplit:  # the common case: a short unit that fits
-                segment = text[start:end]
-                ps = pretokenize(segment)
-                if ps is not None:
-                    ntok = counts.total(ps)
-                    seq: Sequence[int] | Sequence[str] = ps
-                else:
-                    seq = encode(segment)
-                    ntok = len(seq)
-                if ntok <= limit:
-                    yield _Unit(
-                        start,
-                        end,
-                        current.level,
-                        crumbs,
-                        ntok,
-                        seq,
-                        0,
-                        len(seq),
-                        True,
-                        True,
-                        heading_only,
-                        ps is not None,
-                    )
-                    current = upcoming
-                    continue
             cuts = (LINE, WORD) if (current.fence or markup == "code") else (SENTENCE, LINE, WORD)
             spans = (
                 ((start, end, current.level, True),)
                 if end - start <= self._window_chars
                 else self._windows(text, start, end, current.level)
             )
+            # The common case is one short span that fits: one unit, counted by pieces.
             for s, e, lvl, seam in spans:
                 segment = text[s:e]
                 if e - s > presplit and cuts[0] == SENTENCE:
@@ -947,14 +922,14 @@ class Chunker:
 
     @staticmethod
     def _byte_offset(span: _Span, pos: int) -> int:
-        if span.ascii_only:
+        if span.char_offsets:
             return pos
         return _utf8_len(span.segment[:pos])
 
     @staticmethod
     def _char_offset(span: _Span, offset: int) -> int:
         """The character index at (or just before) UTF-8 byte ``offset`` of the segment."""
-        if span.ascii_only:
+        if span.char_offsets:
             return offset
         data = span.segment.encode("utf-8", "surrogatepass")
         return len(data[:offset].decode("utf-8", "ignore"))

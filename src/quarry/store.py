@@ -271,10 +271,12 @@ class VectorStore:
     def index_state(self, source: str | None = None) -> dict[str, DocState]:
         """Per-document state from the points themselves, optionally for one source."""
         states: dict[str, DocState] = {}
-        payloads: Iterable[Mapping[str, Any]] | None = None
+        payloads: Iterable[Mapping[str, Any]]
         if self.is_local:
-            payloads = self._local_payloads(self._require())
-            if payloads is None:
+            in_place = self._local_payloads(self._require())
+            if in_place is not None:
+                payloads = in_place
+            else:
                 # Local mode evaluates a filter in Python on every point, once per page:
                 # one unfiltered page of everything, filtered here, is several times faster.
                 records = self.scroll(fields=_SCAN_FIELDS, page=self.count() + 1)
@@ -317,9 +319,12 @@ class VectorStore:
         collection = collections.get(physical) if isinstance(collections, dict) else None
         payloads = getattr(collection, "payload", None)
         deleted = getattr(collection, "deleted", None)
-        if not isinstance(payloads, list) or deleted is None or len(deleted) != len(payloads):
+        if not isinstance(payloads, list) or deleted is None:
             return None
         flags = deleted.tolist()
+        if len(flags) != len(payloads):
+            return None
+        # A slice, so a point appended while this is read is not half seen.
         return (
             payload
             for payload, gone in zip(payloads[: len(flags)], flags, strict=True)
