@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import socket
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -417,6 +418,44 @@ def test_queries_need_the_api_key(app: TestClient, caplog: pytest.LogCaptureFixt
         assert KEY[:-1] not in record.getMessage()
 
 
+def test_a_request_without_the_key_is_refused_before_its_body_is_read(
+    app: TestClient,
+) -> None:
+    json_type = {"Content-Type": "application/json"}
+    # Malformed JSON without a key: 401, so the body was not parsed (it would be a 422).
+    assert_error(
+        app.post("/v1/query", content=b"{not json", headers=json_type), 401, "unauthorized"
+    )
+    huge = b'{"query": "' + b"a" * (2 * 1024 * 1024) + b'"}'
+    assert_error(app.post("/v1/query", content=huge, headers=json_type), 401, "unauthorized")
+    # With the key, a body over QUARRY_API_MAX_BODY_BYTES is a 413, declared or streamed.
+    declared = app.post("/v1/query", content=huge, headers={**AUTH, **json_type})
+    assert_error(declared, 413, "body_too_large")
+
+    def chunked() -> Iterator[bytes]:
+        yield huge[: 512 * 1024]
+        yield huge[512 * 1024 :]
+
+    streamed = app.post("/v1/query", content=chunked(), headers={**AUTH, **json_type})
+    assert "content-length" not in streamed.request.headers
+    assert_error(streamed, 413, "body_too_large")
+    assert query(app, {"query": "alpha"}).status_code == 200
+
+
+def test_a_key_read_with_a_trailing_newline_still_matches(make_app: AppFactory) -> None:
+    app = make_app(api_key=SecretStr(KEY + "\n"))
+    assert query(app, {"query": "alpha"}).status_code == 200
+    assert_error(app.post("/v1/query", json={"query": "alpha"}), 401, "unauthorized")
+
+
+def test_probes_answer_head_requests(app: TestClient) -> None:
+    for path in ("/healthz", "/readyz"):
+        response = app.head(path)
+        assert response.status_code == 200, path
+        assert response.content == b""
+        assert response.headers["x-request-id"]
+
+
 def test_auth_disabled_or_no_key_serves_without_a_header(make_app: AppFactory) -> None:
     for app in (make_app(api_auth="disabled"), make_app(api_key=None)):
         assert app.post("/v1/query", json={"query": "alpha"}).status_code == 200
@@ -498,6 +537,90 @@ def test_another_model_is_a_409_naming_both_and_readyz_503(
     assert "fingerprint" in ready["message"]
     assert app.get("/readyz").json()["checks"]["fingerprint"]["ok"] is False
     assert app.get("/healthz").status_code == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _poll(app: TestClient, body: dict[str, Any], status: int, seconds: float = 10.0) -> Any:
+    """Query until the answer has ``status`` (a dependency restarting may answer 503 between)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        response = query(app, body)
+        if response.status_code == status or time.monotonic() > deadline:
+            return response
+        assert response.status_code in (200, 409, 503), response.text
+        time.sleep(0.05)
+
+
+def test_a_model_swapped_behind_the_url_is_refused_within_the_recheck(
+    make_app: AppFactory,
+) -> None:
+    port = _free_port()
+    same = LocalTEIConfig(backend="hash", dims=32, port=port)
+    other = LocalTEIConfig(backend="hash", dims=32, seed=7, port=port)
+    body = {"query": "gamma rays", "rerank": False}
+    with ExitStack() as stack:
+        server = stack.enter_context(LocalTEIServer(same))
+        app = make_app(embed_url=server.url, fingerprint_recheck_seconds=0.2)
+        assert query(app, body).status_code == 200
+        stack.close()
+        with LocalTEIServer(other):
+            assert_error(_poll(app, body, 409), 409, "fingerprint_mismatch")
+        with LocalTEIServer(same):
+            # The model is back: queries are answered again without a /readyz.
+            assert _poll(app, body, 200).status_code == 200
+
+
+def test_an_alias_moved_to_another_models_collection_is_refused_at_once(
+    other_tei: LocalTEIServer, template: Path, make_app: AppFactory, tmp_path: Path
+) -> None:
+    from qdrant_client import models
+
+    data = tmp_path / "two"
+    shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
+    other = Settings(data_dir=data, collection="other")
+    store = VectorStore(open_client(other), "other")
+    embedder = EmbeddingClient(other_tei.url, retry=NO_WAIT)
+    try:
+        corpus = write_corpus(tmp_path / "corpus", CORPUS)
+        run_sync(IndexSync(store, embedder, Chunker(48, 8)), [open_source(corpus)])
+        moved_to = store.resolve()
+        assert moved_to is not None
+    finally:
+        store.close()
+        embedder.close()
+    app = make_app(data=data)
+    body = {"query": "gamma rays", "rerank": False}
+    assert query(app, body).status_code == 200
+    # What `quarry reindex` does at its end, done through the app's own local-mode client.
+    qdrant = app.app_state["query_service"].store.client._client
+    qdrant.update_collection_aliases(
+        change_aliases_operations=[
+            models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name="test")),
+            models.CreateAliasOperation(
+                create_alias=models.CreateAlias(collection_name=moved_to, alias_name="test")
+            ),
+        ]
+    )
+    time.sleep(1.1)  # re-verification on foreign hits is at most once a second
+    error = assert_error(query(app, body), 409, "fingerprint_mismatch")
+    assert "quarry reindex" in error["message"]
+
+
+def test_a_query_too_long_for_the_reranker_alone_is_a_422(
+    short_tei: LocalTEIServer, make_app: AppFactory
+) -> None:
+    app = make_app(rerank_url=short_tei.url, rerank_required=True)
+    long_query = " ".join(["gamma", "rays", "photons", "decay"] * 10)
+    error = assert_error(query(app, {"query": long_query}), 422, "query_too_long")
+    assert "reranker" in error["message"]
+    assert query(app, {"query": long_query, "rerank": False}).status_code == 200
+    # Refused after one probe, not after splitting every passage down to nothing.
+    assert short_tei.stats.requests[("POST", "/rerank")] <= 4
 
 
 def test_reranker_down_answers_from_vector_scores_with_a_warning(make_app: AppFactory) -> None:

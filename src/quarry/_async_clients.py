@@ -3,7 +3,8 @@
 The API is async end to end: :class:`AsyncEmbeddingClient` embeds through
 ``openai.AsyncOpenAI`` (or TEI's ``/embed``), :class:`AsyncRerankClient` posts to
 ``/rerank`` (or the Cohere-style ``/v1/rerank``) with ``httpx2.AsyncClient``, and
-:class:`AsyncStore` reads Qdrant through ``AsyncQdrantClient``.
+:class:`AsyncStore` reads Qdrant through ``AsyncQdrantClient`` (a server) or
+:class:`ThreadedLocalQdrant` (local mode, off the event loop).
 
 They share everything but the I/O with the sync clients: the retry policy
 (:class:`quarry._http.RetryPolicy`, driven by tenacity's ``AsyncRetrying``), the
@@ -15,13 +16,15 @@ fingerprint construction. The query path only reads, so the store has no writes.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, Protocol, TypeVar
 
 import httpx2
 import openai
 import tenacity
-from qdrant_client import AsyncQdrantClient, models
+from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
 from quarry._http import RetryPolicy, TransientFailure, async_http_client, raise_for_status
 from quarry.config import DEFAULT_QUERY_TASK, Settings
@@ -34,7 +37,14 @@ from quarry.embeddings import (
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
 from quarry.fingerprint import CANARY_TEXT, Fingerprint, build_fingerprint
 from quarry.prompts import ProfileName, PromptProfile, profile_for_model
-from quarry.rerank import _HINT, DEFAULT_RERANK_BATCH, RerankDialect, _parse_scores
+from quarry.rerank import (
+    _HINT,
+    DEFAULT_RERANK_BATCH,
+    MAX_SPLIT_DEPTH,
+    RerankDialect,
+    _parse_scores,
+    query_too_long,
+)
 from quarry.store import META_FINGERPRINT, CollectionInfo, local_mode_locked
 
 T = TypeVar("T")
@@ -362,39 +372,54 @@ class AsyncRerankClient:
     async def score(
         self, query: str, texts: Sequence[str], *, retry: RetryPolicy | None = None
     ) -> list[float]:
-        """One relevance score per text, in the order given; batches are sent concurrently."""
+        """One relevance score per text, in the order given; batches are sent concurrently.
+
+        A text too long beside the query is scored in parts (its best part counts);
+        a query too long on its own raises QueryTooLong at once.
+        """
         policy = retry or self.retry
         size = await self.batch_size()
         batches = [list(texts[start : start + size]) for start in range(0, len(texts), size)]
+        guard = _QueryGuard(self, query, policy)
         if len(batches) == 1:
-            return await self._score_resilient(query, batches[0], policy)
+            return await self._score_resilient(query, batches[0], policy, guard)
         parts = await asyncio.gather(
-            *(self._score_resilient(query, batch, policy) for batch in batches)
+            *(self._score_resilient(query, batch, policy, guard) for batch in batches)
         )
         return [score for part in parts for score in part]
 
     async def _score_resilient(
-        self, query: str, texts: list[str], policy: RetryPolicy
+        self, query: str, texts: list[str], policy: RetryPolicy, guard: _QueryGuard, depth: int = 0
     ) -> list[float]:
         try:
             return await self._post(query, texts, policy)
         except InputTooLong as error:
+            await guard.check()
             if len(texts) > 1:
                 middle = len(texts) // 2
                 return await self._score_resilient(
-                    query, texts[:middle], policy
-                ) + await self._score_resilient(query, texts[middle:], policy)
-            return [await self._score_split(query, texts[0], error, policy)]
+                    query, texts[:middle], policy, guard, depth
+                ) + await self._score_resilient(query, texts[middle:], policy, guard, depth)
+            return [await self._score_split(query, texts[0], error, policy, guard, depth)]
 
     async def _score_split(
-        self, query: str, text: str, error: InputTooLong, policy: RetryPolicy
+        self,
+        query: str,
+        text: str,
+        error: InputTooLong,
+        policy: RetryPolicy,
+        guard: _QueryGuard,
+        depth: int,
     ) -> float:
         from quarry.chunking import split_in_two
 
-        if len(text) < 2:
+        if len(text) < 2 or depth >= MAX_SPLIT_DEPTH:
             raise error
         return max(
-            [(await self._score_resilient(query, [part], policy))[0] for part in split_in_two(text)]
+            [
+                (await self._score_resilient(query, [part], policy, guard, depth + 1))[0]
+                for part in split_in_two(text)
+            ]
         )
 
     async def _post(self, query: str, texts: list[str], policy: RetryPolicy) -> list[float]:
@@ -424,10 +449,128 @@ class AsyncRerankClient:
         await self._http.aclose()
 
 
+class _QueryGuard:
+    """Checks once per scoring, on its first InputTooLong, that the query fits on its own."""
+
+    def __init__(self, client: AsyncRerankClient, query: str, policy: RetryPolicy) -> None:
+        self._client = client
+        self._query = query
+        self._policy = policy
+        self._checked: asyncio.Future[None] | None = None
+
+    async def check(self) -> None:
+        """Raise QueryTooLong when the query does not fit beside a one-character text."""
+        if self._checked is None:
+            self._checked = asyncio.ensure_future(self._check())
+        await asyncio.shield(self._checked)
+
+    async def _check(self) -> None:
+        try:
+            await self._client._post(self._query, ["."], self._policy)
+        except InputTooLong as error:
+            raise query_too_long(error) from None
+
+
 # -- Qdrant (read side) -----------------------------------------------------------------------
 
 
-def open_async_qdrant(settings: Settings) -> AsyncQdrantClient:
+class AsyncQdrant(Protocol):
+    """What :class:`AsyncStore` asks of a Qdrant client (``AsyncQdrantClient`` has it all)."""
+
+    async def get_aliases(self) -> models.CollectionsAliasesResponse:
+        """Every alias and the collection it points at."""
+        ...
+
+    async def get_collection(self, collection_name: str) -> models.CollectionInfo:
+        """One collection's configuration."""
+        ...
+
+    async def get_collections(self) -> models.CollectionsResponse:
+        """Every collection."""
+        ...
+
+    async def count(self, collection_name: str, *, exact: bool = True) -> models.CountResult:
+        """How many points a collection holds."""
+        ...
+
+    async def query_points(
+        self,
+        collection_name: str,
+        *,
+        query: list[float],
+        limit: int,
+        query_filter: models.Filter | None,
+        with_payload: bool,
+    ) -> models.QueryResponse:
+        """The nearest points."""
+        ...
+
+    async def close(self) -> None:
+        """Release the client."""
+        ...
+
+
+class ThreadedLocalQdrant:
+    """Local-mode Qdrant for async code: the sync client, called on a thread of its own.
+
+    ``AsyncQdrantClient``'s local mode runs its brute-force search inside the
+    coroutine, so every search held up the event loop (a ``/healthz`` waited for
+    it). One thread keeps the loop free and gives local mode, which is not safe
+    for concurrent use, one caller at a time.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._client = QdrantClient(path=path)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quarry-qdrant")
+
+    async def _run(self, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, functools.partial(call, *args, **kwargs))
+
+    async def get_aliases(self) -> models.CollectionsAliasesResponse:
+        """Every alias and the collection it points at."""
+        return await self._run(self._client.get_aliases)
+
+    async def get_collection(self, collection_name: str) -> models.CollectionInfo:
+        """One collection's configuration."""
+        return await self._run(self._client.get_collection, collection_name)
+
+    async def get_collections(self) -> models.CollectionsResponse:
+        """Every collection."""
+        return await self._run(self._client.get_collections)
+
+    async def count(self, collection_name: str, *, exact: bool = True) -> models.CountResult:
+        """How many points a collection holds."""
+        return await self._run(self._client.count, collection_name, exact=exact)
+
+    async def query_points(
+        self,
+        collection_name: str,
+        *,
+        query: list[float],
+        limit: int,
+        query_filter: models.Filter | None,
+        with_payload: bool,
+    ) -> models.QueryResponse:
+        """The nearest points."""
+        return await self._run(
+            self._client.query_points,
+            collection_name,
+            query=query,
+            limit=limit,
+            query_filter=query_filter,
+            with_payload=with_payload,
+        )
+
+    async def close(self) -> None:
+        """Close the client (releasing the folder's lock) and stop its thread."""
+        try:
+            await self._run(self._client.close)
+        finally:
+            self._thread.shutdown(wait=False)
+
+
+def open_async_qdrant(settings: Settings) -> AsyncQdrant:
     """An async Qdrant client: a server when ``QUARRY_QDRANT_URL`` is set, else local mode.
 
     Local mode admits one process: a folder another process holds raises StoreLocked.
@@ -437,7 +580,7 @@ def open_async_qdrant(settings: Settings) -> AsyncQdrantClient:
         return AsyncQdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
     settings.qdrant_path.mkdir(parents=True, exist_ok=True)
     try:
-        return AsyncQdrantClient(path=str(settings.qdrant_path))
+        return ThreadedLocalQdrant(str(settings.qdrant_path))
     except RuntimeError as error:
         if "already accessed" in str(error):
             raise local_mode_locked(settings) from error
@@ -447,7 +590,7 @@ def open_async_qdrant(settings: Settings) -> AsyncQdrantClient:
 class AsyncStore:
     """What the query path reads from Qdrant for one alias."""
 
-    def __init__(self, client: AsyncQdrantClient, alias: str) -> None:
+    def __init__(self, client: AsyncQdrant, alias: str) -> None:
         self.client = client
         self.alias = alias
 

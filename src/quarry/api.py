@@ -2,7 +2,8 @@
 
 ``create_app(settings)`` builds the app; its lifespan builds the clients from
 Settings once (``AsyncOpenAI`` for embeddings, ``httpx2`` for rerank,
-``AsyncQdrantClient`` for the index) and closes them on shutdown. With no
+``AsyncQdrantClient`` for a Qdrant server, local mode on a thread of its own)
+and closes them on shutdown. With no
 ``QUARRY_EMBED_URL`` it starts :mod:`quarry.local_tei` in-process, as the CLI does.
 ``serve(settings, host, port)`` runs it under uvicorn, and refuses a non-loopback
 address without an API key unless ``QUARRY_API_AUTH=disabled``.
@@ -13,8 +14,10 @@ Routes: ``POST /v1/query``, ``GET /v1/collections`` (both behind
 
 The query path is :mod:`quarry.search`'s: the same filter, result building,
 threshold and collapse. The index's fingerprint is checked against the live
-embedding service at startup (and on every ``/readyz``), and the verdict is
-cached: a mismatch answers 409 naming both models, never results.
+embedding service at startup, on every ``/readyz``, every
+``QUARRY_FINGERPRINT_RECHECK_SECONDS`` while queries come in, and at once when a
+search meets points of another model (the alias moved): a mismatch answers 409
+naming both models, never results.
 
 Every non-2xx answer has one shape, ``{"error": {"type", "message",
 "request_id", ...}}``, and every response an ``X-Request-ID`` header (the
@@ -27,6 +30,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import math
 import re
 import time
 import uuid
@@ -71,6 +75,7 @@ from quarry.errors import (
     FingerprintMismatch,
     InputTooLong,
     QuarryError,
+    QueryTooLong,
     Refused,
     ServiceError,
     ServingChanged,
@@ -106,6 +111,8 @@ READY_TIMEOUT_S = 5.0
 """How long ``/readyz`` waits for each dependency."""
 _PROBE = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
 """One attempt, no retry: for readiness probes, which must answer fast."""
+_MIN_RECHECK_S = 1.0
+"""At most one re-verification a second when hits carry another model's key."""
 _RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
@@ -393,7 +400,12 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     )
 
 
-_HTTP_KINDS = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
+_HTTP_KINDS = {
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+}
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
@@ -447,6 +459,10 @@ class RequestContext:
         token = _current_request_id.set(request_id)
         started = time.perf_counter()
         status = 0
+        settings: Settings = self.owner.state.settings
+        refusal = _refuse_early(scope, settings, request_id)
+        if refusal is None:
+            receive = _limited(receive, settings.api_max_body_bytes)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -462,7 +478,10 @@ class RequestContext:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            if refusal is not None:
+                await refusal(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         except Exception:
             logger.exception("request_id=%s unhandled error", request_id)
             if status:
@@ -494,6 +513,60 @@ class RequestContext:
             await send(message)
 
         return lifespan_send
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """A request body over QUARRY_API_MAX_BODY_BYTES (raised while it is being read)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is over {limit} bytes (QUARRY_API_MAX_BODY_BYTES)")
+
+
+def _refuse_early(scope: Scope, settings: Settings, request_id: str) -> Response | None:
+    """The answer to a request refused before its body is read: no or a wrong API key on a
+    protected route (401), or a declared body over the limit (413). None lets it through.
+
+    Checked here, not only in a route dependency, because FastAPI reads and parses a
+    body before it runs dependencies: a client without a key must not make the server
+    buffer and parse what it sends.
+    """
+    headers = dict(scope["headers"])
+    if _auth_enforced(settings) and scope["path"].startswith(_PROTECTED_PREFIX):
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not _key_matches(given.strip(), settings):
+            return error_body(
+                401,
+                "unauthorized",
+                _UNAUTHORIZED,
+                request_id,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+    declared = headers.get(b"content-length", b"").decode("latin-1")
+    if declared.isdigit() and int(declared) > settings.api_max_body_bytes:
+        return error_body(
+            413,
+            "body_too_large",
+            str(_BodyTooLarge(settings.api_max_body_bytes).detail),
+            request_id,
+        )
+    return None
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """``receive`` that raises _BodyTooLarge once more than ``limit`` body bytes came in
+    (a chunked body declares no length)."""
+    seen = 0
+
+    async def limited_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge(limit)
+        return message
+
+    return limited_receive
 
 
 def _incoming_request_id(scope: Scope) -> str | None:
@@ -529,26 +602,55 @@ class QueryService:
         self.reranker = reranker
         self._verified: Fingerprint | None = None
         self._refused: _Refusal | None = None
+        self._judged_at = -math.inf  # time.monotonic() of the last verdict
         self._lock = asyncio.Lock()
+        self._recheck: asyncio.Task[None] | None = None
 
     # -- the fingerprint verdict, cached ---------------------------------------------------
 
     async def fingerprint(self) -> Fingerprint:
-        """The verified fingerprint of the index; checked once, then cached.
+        """The verified fingerprint of the index, from a verdict at most a recheck old.
 
-        Raises ApiError: 409 when the live model did not build the index, 503 when
-        Qdrant or the embedding service cannot be asked.
+        A verdict is cached and renewed every QUARRY_FINGERPRINT_RECHECK_SECONDS: a
+        good one in the background while queries go on under it, a refusal in the
+        request itself (that request fails anyway), so a model swapped behind the
+        service's URL is refused, and a model put back is served again, within
+        that time. Raises ApiError: 409 when the live model did not build the
+        index, 503 when Qdrant or the embedding service cannot be asked.
         """
         verified = self._verified
         if verified is not None:
+            if self._stale() and self._recheck is None:
+                self._recheck = asyncio.create_task(self._recheck_in_background())
             return verified
         async with self._lock:
-            if self._verified is None and self._refused is None:
+            if (self._verified is None and self._refused is None) or (
+                self._refused is not None and self._stale()
+            ):
                 await self.verify()
             if self._refused is not None:
                 raise _refusal(self._refused.kind(self._refused.message))
             assert self._verified is not None
             return self._verified
+
+    def _stale(self, age: float | None = None) -> bool:
+        limit = self.settings.fingerprint_recheck_seconds if age is None else age
+        return time.monotonic() - self._judged_at > limit
+
+    async def _recheck_in_background(self) -> None:
+        try:
+            async with self._lock:
+                await self.verify(_PROBE)
+        except ApiError as error:
+            # A refusal is cached by verify(); a dependency that is down leaves the last
+            # verdict standing (the queries meet the outage themselves) until the next try.
+            self._judged_at = time.monotonic()
+            if error.status != 409:
+                logger.warning("quarry api: fingerprint recheck: %s", error.message)
+        except Exception:  # never let a background task die unobserved
+            logger.exception("quarry api: fingerprint recheck failed")
+        finally:
+            self._recheck = None
 
     async def verify(self, retry: RetryPolicy | None = None) -> Fingerprint:
         """Read the stored and the live fingerprints afresh and judge them (updates the cache)."""
@@ -586,11 +688,20 @@ class QueryService:
             if refusal != self._refused:  # once per change, not once per readiness probe
                 logger.error("quarry api refuses to answer queries: %s", error)
             self._verified, self._refused = None, refusal
+            self._judged_at = time.monotonic()
             raise _refusal(error) from None
         if self._refused is not None:
             logger.info("quarry api: the embedding service matches the index again")
         self._verified, self._refused = verified, None
+        self._judged_at = time.monotonic()
         return verified
+
+    async def aclose(self) -> None:
+        """Stop a fingerprint recheck still running (before the clients it uses close)."""
+        task, self._recheck = self._recheck, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def warm_up(self) -> None:
         """Check the fingerprint at startup; a failure is logged and left to /readyz."""
@@ -605,21 +716,29 @@ class QueryService:
     async def query(self, body: QueryRequest) -> tuple[QueryResponse, dict[str, str]]:
         """Answer one query; also returns the response headers to add (warnings)."""
         started = time.perf_counter()
-        text, truncated = self._fit_query(body.query, body.truncate)
-        fingerprint = await self.fingerprint()
+        query_text, truncated = self._fit_query(body.query, body.truncate)
         timings: dict[str, float] = {}
+        for attempt in range(2):
+            fingerprint = await self.fingerprint()
+            mark = time.perf_counter()
+            text, vector, cut = await self._embed(
+                query_text, body.truncate, fingerprint.query_task or None
+            )
+            timings["embed"] = _ms_since(mark)
 
-        mark = time.perf_counter()
-        text, vector, cut = await self._embed(text, body.truncate, fingerprint.query_task or None)
+            mark = time.perf_counter()
+            query_filter = _to_search_filter(body.filter)
+            hits = await self._call(
+                _QDRANT, self.store.search(vector, max(body.candidates, body.top_k), query_filter)
+            )
+            timings["search"] = _ms_since(mark)
+            if attempt or not _other_model(hits, fingerprint) or not self._stale(_MIN_RECHECK_S):
+                break
+            # Points of another model: the alias moved (``quarry reindex``) since the
+            # verdict. Judge the collection behind it now, and answer under that verdict.
+            async with self._lock:
+                await self.verify()
         truncated = truncated or cut
-        timings["embed"] = _ms_since(mark)
-
-        mark = time.perf_counter()
-        query_filter = _to_search_filter(body.filter)
-        hits = await self._call(
-            _QDRANT, self.store.search(vector, max(body.candidates, body.top_k), query_filter)
-        )
-        timings["search"] = _ms_since(mark)
 
         warnings: list[str] = []
         headers: dict[str, str] = {}
@@ -630,6 +749,13 @@ class QueryService:
             try:
                 scores = await self.reranker.score(text, rerank_texts(hits))
                 outcome = "reranked"
+            except QueryTooLong:
+                raise ApiError(
+                    422,
+                    "query_too_long",
+                    "the query is too long for the reranker on its own (its max_input_length); "
+                    'shorten it, or send "rerank": false',
+                ) from None
             except _DEPENDENCY_ERRORS as error:
                 if self.settings.rerank_required:
                     raise _dependency_down(_RERANKER, error) from None
@@ -805,6 +931,15 @@ class QueryService:
         return CollectionList(alias=self.store.alias, collections=entries)
 
 
+def _other_model(hits: Sequence[models.ScoredPoint], fingerprint: Fingerprint) -> bool:
+    """Whether a hit was written under another model than ``fingerprint``'s."""
+    for hit in hits:
+        key = (hit.payload or {}).get("model_key")
+        if isinstance(key, str) and key != fingerprint.model_key:
+            return True
+    return False
+
+
 class _TooLong(Exception):
     """The embedding service found the query over its max_input_length."""
 
@@ -887,22 +1022,31 @@ async def require_api_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """401 unless the request carries the API key (compared in constant time, never logged)."""
-    expected = _api_key(settings)
-    if expected is None or settings.api_auth == "disabled":
+    if not _auth_enforced(settings):
         return
-    given = credentials.credentials.encode("utf-8") if credentials is not None else b""
-    if not hmac.compare_digest(given, expected.encode("utf-8")):
-        raise ApiError(
-            401,
-            "unauthorized",
-            "missing or wrong API key: send `Authorization: Bearer <QUARRY_API_KEY>`",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    given = credentials.credentials if credentials is not None else ""
+    if not _key_matches(given, settings):
+        raise ApiError(401, "unauthorized", _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+
+
+_UNAUTHORIZED = "missing or wrong API key: send `Authorization: Bearer <QUARRY_API_KEY>`"
+# Routes behind the key; /healthz, /readyz and the OpenAPI documents are open.
+_PROTECTED_PREFIX = "/v1/"
 
 
 def _api_key(settings: Settings) -> str | None:
-    key = settings.api_key.get_secret_value() if settings.api_key is not None else ""
-    return key if key.strip() else None
+    # Stripped: a key read from a mounted secret file often ends in a newline, which no
+    # HTTP header can carry, so the unstripped key would lock every client out.
+    key = settings.api_key.get_secret_value().strip() if settings.api_key is not None else ""
+    return key or None
+
+
+def _key_matches(given: str, settings: Settings) -> bool:
+    """Whether ``given`` is the API key, compared in constant time (never logged)."""
+    expected = _api_key(settings)
+    if expected is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
 def _auth_enforced(settings: Settings) -> bool:
@@ -1100,6 +1244,10 @@ def create_app(settings: Settings) -> FastAPI:
             extra={"checks": {name: check.model_dump() for name, check in checks.items()}},
         )
 
+    # Load balancers often probe with HEAD; the answer is GET's without the body.
+    for path, probe in (("/healthz", healthz), ("/readyz", readyz)):
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
+
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -1157,6 +1305,7 @@ async def _start_services(settings: Settings, stack: AsyncExitStack) -> QuerySer
     store = AsyncStore(open_async_qdrant(settings), settings.collection)
     stack.push_async_callback(store.close)
     service = QueryService(settings, store, embedder, reranker)
+    stack.push_async_callback(service.aclose)
     # Building the tokenizer takes a second: do it now, not in the first query.
     from quarry.chunking import count_tokens
 

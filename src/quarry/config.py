@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     api_auth: Literal["enabled", "disabled"] = "enabled"
     max_query_tokens: int = Field(512, ge=1)
+    # A query body is a few kB; anything far bigger is refused before it is read.
+    api_max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    # How often the API re-reads the live model's fingerprint while answering queries.
+    fingerprint_recheck_seconds: float = Field(10.0, gt=0)
 
     # Parity gates.
     parity_min_cosine: float = 0.999

@@ -13,6 +13,7 @@ can be traced to its cause without a debugger::
     │   ├── ServiceUnavailable      retries spent on 429/503/424/connection errors
     │   ├── RequestRejected         the service said the request is wrong (400/413/422)
     │   │   ├── InputTooLong        an input over the model's max_input_length
+    │   │   │   └── QueryTooLong    the query alone leaves a reranker no room
     │   │   └── DialectMismatch     the service speaks another API dialect
     │   └── BadResponse             the service answered something unparseable
     ├── StoreError                  Qdrant (has ``collection``)
@@ -86,6 +87,10 @@ class RequestRejected(ServiceError):
 
 class InputTooLong(RequestRejected):
     """An input is over the model's ``max_input_length``; it must be split, never truncated."""
+
+
+class QueryTooLong(InputTooLong):
+    """A rerank query too long on its own: no passage fits beside it, however split."""
 
 
 class DialectMismatch(RequestRejected):

@@ -16,10 +16,13 @@ import httpx2
 
 from quarry._http import RetryPolicy, http_client, request_json
 from quarry.embeddings import ServiceInfo, fetch_info
-from quarry.errors import BadResponse, InputTooLong
+from quarry.errors import BadResponse, InputTooLong, QueryTooLong
 
 RerankDialect = Literal["auto", "tei", "cohere"]
 DEFAULT_RERANK_BATCH = 32
+# A text too long beside the query is halved at most this often (8 parts): a query
+# that leaves a text almost no room would otherwise cost hundreds of requests.
+MAX_SPLIT_DEPTH = 3
 
 _HINT = {
     "tei": "This reranker seems to speak the Cohere-style API: set QUARRY_RERANK_DIALECT=cohere.",
@@ -78,30 +81,52 @@ class RerankClient:
         return min(limit, self._batch_size) if self._batch_size else limit
 
     def score(self, query: str, texts: Sequence[str]) -> list[float]:
-        """One relevance score per text, in the order given."""
+        """One relevance score per text, in the order given.
+
+        A text too long beside the query is scored in parts (its best part
+        counts); a query too long on its own raises QueryTooLong at once.
+        """
         scores: list[float] = []
         size = self.batch_size
+        checked = [False]
         for start in range(0, len(texts), size):
-            scores.extend(self._score_resilient(query, list(texts[start : start + size])))
+            scores.extend(self._score_resilient(query, list(texts[start : start + size]), checked))
         return scores
 
-    def _score_resilient(self, query: str, texts: list[str]) -> list[float]:
+    def _score_resilient(
+        self, query: str, texts: list[str], checked: list[bool], depth: int = 0
+    ) -> list[float]:
         try:
             return self._post(query, texts)
         except InputTooLong as error:
+            if not checked[0]:
+                checked[0] = True
+                self._check_query(query)
             if len(texts) > 1:
                 middle = len(texts) // 2
-                return self._score_resilient(query, texts[:middle]) + self._score_resilient(
-                    query, texts[middle:]
-                )
-            return [self._score_split(query, texts[0], error)]
+                return self._score_resilient(
+                    query, texts[:middle], checked, depth
+                ) + self._score_resilient(query, texts[middle:], checked, depth)
+            return [self._score_split(query, texts[0], error, checked, depth)]
 
-    def _score_split(self, query: str, text: str, error: InputTooLong) -> float:
+    def _score_split(
+        self, query: str, text: str, error: InputTooLong, checked: list[bool], depth: int
+    ) -> float:
         from quarry.chunking import split_in_two
 
-        if len(text) < 2:
+        if len(text) < 2 or depth >= MAX_SPLIT_DEPTH:
             raise error
-        return max(self._score_resilient(query, [part])[0] for part in split_in_two(text))
+        return max(
+            self._score_resilient(query, [part], checked, depth + 1)[0]
+            for part in split_in_two(text)
+        )
+
+    def _check_query(self, query: str) -> None:
+        """Raise QueryTooLong when the query does not fit even beside a one-character text."""
+        try:
+            self._post(query, ["."])
+        except InputTooLong as error:
+            raise query_too_long(error) from None
 
     def _post(self, query: str, texts: list[str]) -> list[float]:
         if not texts:
@@ -134,6 +159,16 @@ class RerankClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def query_too_long(error: InputTooLong) -> QueryTooLong:
+    """The QueryTooLong for a reranker that refused the query beside a one-character text."""
+    return QueryTooLong(
+        error.url,
+        "the query alone is over the reranker's input limit (max_input_length); "
+        "shorten it, or search without rerank",
+        status=error.status,
+    )
 
 
 def _parse_scores(url: str, answer: Any, expected: int) -> list[float]:

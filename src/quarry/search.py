@@ -97,20 +97,40 @@ class SearchResponse:
 
 
 def result_from_point(point: models.ScoredPoint, rerank_score: float | None) -> SearchResult:
-    """A SearchResult from a Qdrant hit and an optional rerank score."""
+    """A SearchResult from a Qdrant hit and an optional rerank score.
+
+    Payload fields of the wrong type (a collection another tool wrote) are read
+    as empty, never trusted: a hit with ``chunk_index: "first"`` is still a hit.
+    """
     payload = point.payload or {}
+    headings = payload.get("headings")
+    metadata = payload.get("metadata")
     return SearchResult(
-        text=str(payload.get("text", "")),
+        text=_text(payload.get("text")),
         score=rerank_score if rerank_score is not None else float(point.score),
         vector_score=float(point.score),
         rerank_score=rerank_score,
-        uri=str(payload.get("uri", "")),
-        doc_id=str(payload.get("doc_id", "")),
-        chunk_index=int(payload.get("chunk_index", 0)),
-        headings=list(payload.get("headings") or []),
-        title=str(payload.get("title", "")),
-        metadata=dict(payload.get("metadata") or {}),
+        uri=_text(payload.get("uri")),
+        doc_id=_text(payload.get("doc_id")),
+        chunk_index=_index(payload.get("chunk_index")),
+        headings=[str(h) for h in headings] if isinstance(headings, list) else [],
+        title=_text(payload.get("title")),
+        metadata=dict(metadata) if isinstance(metadata, dict) else {},
     )
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _index(value: object) -> int:
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return 0
 
 
 def collapse_by_document(results: Sequence[SearchResult]) -> list[SearchResult]:
