@@ -48,6 +48,7 @@ class Harness:
         self,
         url: str | None = None,
         transport: httpx2.BaseTransport | None = None,
+        source: Path | None = None,
         **kwargs: object,
     ) -> IngestReport:
         store = VectorStore(open_client(self.settings), "test")
@@ -61,7 +62,8 @@ class Harness:
             trust_file_stamps=bool(kwargs.pop("trust_file_stamps", True)),
         )
         try:
-            return run_sync(sync, [open_source(self.root)], **kwargs)  # type: ignore[arg-type]
+            spec = open_source(source or self.root)
+            return run_sync(sync, [spec], **kwargs)  # type: ignore[arg-type]
         finally:
             store.close()
             embedder.close()
@@ -140,6 +142,22 @@ def test_deleted_file_is_removed_on_full_sync_only(harness: Harness) -> None:
     assert removed.documents_deleted == 1
     uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
     assert "corpus/notes/delta.md" not in uris
+
+
+def test_syncing_one_file_of_an_indexed_folder_leaves_its_other_files(harness: Harness) -> None:
+    harness.run()
+    (harness.root / "alpha.md").write_text("# Alpha\n\nAlpha, rewritten. " * 20)
+    # What `quarry ingest corpus/alpha.md` does: a source of one file of the folder.
+    report = harness.run(source=harness.root / "alpha.md")
+    assert (report.documents_seen, report.documents_embedded) == (1, 1)
+    assert report.documents_deleted == 0
+    uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    assert uris == {f"corpus/{name}" for name in CORPUS}
+    (harness.root / "alpha.md").unlink()
+    # Gone, the file alone is cleaned from the index; its neighbours stay.
+    harness.run(source=harness.root / "beta.md")
+    report = harness.run()
+    assert report.documents_deleted == 1
 
 
 def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:

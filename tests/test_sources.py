@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pypdf import PdfWriter
 from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 
 from quarry.documents import Document, doc_id_for
-from quarry.errors import SourceNotFound, UnreadableDocument
+from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 from quarry.sources import (
     DEFAULT_EXCLUDE,
     DEFAULT_INCLUDE,
@@ -390,6 +391,51 @@ def test_symlink_loop_inside_the_root_terminates(tmp_path: Path) -> None:
     (tmp_path / "a" / "loop").symlink_to(tmp_path / "a", target_is_directory=True)
     paths = [p.relative_to(tmp_path).as_posix() for p in discover(open_source(tmp_path))]
     assert paths == ["a/doc.md"]
+
+
+def test_a_file_symlink_loop_is_reported_and_the_rest_loaded(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("# A\n\nText.\n")
+    (tmp_path / "self.md").symlink_to("self.md")
+    (tmp_path / "b.md").symlink_to("c.md")
+    (tmp_path / "c.md").symlink_to("b.md")
+    docs, failures = documents(open_source(tmp_path))
+    name = tmp_path.name
+    assert [d.uri for d in docs] == [f"{name}/a.md"]
+    assert sorted(f.uri for f in failures) == [f"{name}/{n}" for n in ("b.md", "c.md", "self.md")]
+    assert all("symlink loop" in f.error for f in failures)
+
+
+def test_fifos_are_reported_not_read_even_through_a_symlink(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("# A\n\nText.\n")
+    os.mkfifo(tmp_path / "pipe.md")
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "link.md").symlink_to("pipe")
+    # Opening a FIFO blocks until a writer comes: the walk must not hand one to the loader.
+    docs, failures = documents(open_source(tmp_path))
+    assert [d.uri for d in docs] == [f"{tmp_path.name}/a.md"]
+    assert sorted(f.uri.rsplit("/", 1)[1] for f in failures) == ["link.md", "pipe.md"]
+    assert all("not a regular file" in f.error for f in failures)
+
+
+@pytest.mark.parametrize(
+    ("glob", "name", "matches"),
+    [("[]]", "]", True), ("[!]]", "a", True), ("[!]]", "]", False), ("[[]x.md", "[x.md", True)],
+)
+def test_globs_read_brackets_as_fnmatch_does(glob: str, name: str, matches: bool) -> None:
+    assert SourceSpec(Path("/"), (glob,), ()).includes(name) is matches
+    assert fnmatch.fnmatchcase(name, glob) is matches
+
+
+def test_an_unusable_glob_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[z-a\]"):
+        open_source(tmp_path, include=("[z-a].md",))
+
+
+def test_a_pdf_padded_after_its_end_marker_loads(tmp_path: Path) -> None:
+    (tmp_path / "padded.pdf").write_bytes(make_pdf(["Padded text"]) + b" " * 70_000 + b"\n")
+    docs, failures = documents(open_source(tmp_path))
+    assert failures == []
+    assert "Padded text" in docs[0].text
 
 
 def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(

@@ -239,6 +239,10 @@ class IndexSync:
         checks again by document once every file has been loaded.
         """
         state = self.plan_documents(spec.name)
+        if spec.file is not None:
+            # One file of a folder: the folder's other files are not this sync's business.
+            own = spec.uri_prefix + spec.file
+            state = {k: doc for k, doc in state.items() if _file_uri(doc.uri) == own}
         files: dict[str, list[DocState]] = {}
         for doc in state.values():
             files.setdefault(_file_uri(doc.uri), []).append(doc)

@@ -36,7 +36,7 @@ from stat import S_ISDIR
 from typing import Any
 
 from quarry.documents import Document, FileStamp
-from quarry.errors import SourceNotFound, UnreadableDocument
+from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 
 DEFAULT_INCLUDE: tuple[str, ...] = (
     "**/*.md",
@@ -142,15 +142,18 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
             out.append("[^/]")
             i += 1
         elif c == "[":
-            j = pattern.find("]", i + 2 if pattern.startswith("[!", i) else i + 1)
+            # As fnmatch: a "]" right after "[" or "[!" is part of the class, not its end.
+            j = pattern.find("]", i + 3 if pattern.startswith("[!", i) else i + 2)
             if j < 0:
                 out.append(re.escape(c))
                 i += 1
             else:
                 body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
+                negate = body.startswith("!")
+                if negate:
+                    body = body[1:]
+                body = body.replace("\\", "\\\\").replace("[", "\\[").replace("]", "\\]")
+                out.append("[" + ("^" if negate else "") + body + "]")
                 i = j + 1
         else:
             out.append(re.escape(c))
@@ -163,12 +166,19 @@ _NOTHING = re.compile(r"(?!)")
 
 
 def _any_glob(patterns: tuple[str, ...]) -> re.Pattern[str]:
-    """One regex that fully matches what any of ``patterns`` matches (one scan per path)."""
+    """One regex that fully matches what any of ``patterns`` matches (one scan per path).
+
+    Raises ConfigError naming a glob that cannot be used (say, a class like ``[z-a]``).
+    """
     if not patterns:
         return _NOTHING
-    return re.compile(
-        "|".join(f"(?:{_glob_regex(p).pattern})" for p in patterns), re.IGNORECASE | re.DOTALL
-    )
+    parts = []
+    for pattern in patterns:
+        try:
+            parts.append(f"(?:{_glob_regex(pattern).pattern})")
+        except re.error as error:
+            raise ConfigError(f"glob {pattern!r} is not valid: {error}") from None
+    return re.compile("|".join(parts), re.IGNORECASE | re.DOTALL)
 
 
 def _escape_glob(name: str) -> str:
@@ -187,6 +197,9 @@ class SourceSpec:
     include: tuple[str, ...] = DEFAULT_INCLUDE
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     name: str = ""
+    # Set when the source is one file of a folder: its path relative to the root. A sync
+    # of it then concerns that file's documents only, not the folder's other files.
+    file: str | None = None
     _include_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
     _exclude_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
 
@@ -221,7 +234,8 @@ def open_source(
     include: tuple[str, ...] = DEFAULT_INCLUDE,
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
 ) -> SourceSpec:
-    """A source for a directory, or for one file (root = its directory, include = that file).
+    """A source for a directory, or for one file (root = its directory, include = that file;
+    a sync of it adds, updates or removes that file's documents only).
 
     Raises :class:`SourceNotFound` naming the path if it does not exist.
     """
@@ -231,7 +245,7 @@ def open_source(
     if given.is_dir():
         return SourceSpec(given, tuple(include), tuple(exclude))
     resolved = given.resolve()
-    return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), ())
+    return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
 
 
 @dataclass(frozen=True)
@@ -262,6 +276,9 @@ def uri_for(path: Path, spec: SourceSpec) -> str:
 
 def _inside(target: Path, root: Path) -> bool:
     return target == root or target.is_relative_to(root)
+
+
+_NOT_REGULAR = "not a regular file (a FIFO, socket or device); skipped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +314,12 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
             try:
                 is_link = entry.is_symlink()
                 if is_link:
-                    target = path.resolve()
+                    try:
+                        target = path.resolve()
+                    except RuntimeError:  # Python 3.11 raises this for a loop, not OSError
+                        if spec.includes(rel):
+                            found.append(_Found(rel, path, "symlink loop; not followed"))
+                        continue
                     if not target.exists():
                         if spec.includes(rel):
                             found.append(_Found(rel, path, "broken symlink"))
@@ -321,6 +343,10 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         visited.add(target)
                         stack.append((path, rel + "/"))
                         continue
+                    if not target.is_file():
+                        if spec.includes(rel):
+                            found.append(_Found(rel, path, _NOT_REGULAR))
+                        continue
                     real = target
                 elif entry.is_dir(follow_symlinks=False):
                     if not descend or spec.excludes(rel + "/"):
@@ -332,7 +358,10 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                     stack.append((path, rel + "/"))
                     continue
                 elif not entry.is_file(follow_symlinks=False):
-                    continue  # sockets, fifos, devices
+                    # A FIFO would block the read forever; sockets and devices are not text.
+                    if spec.includes(rel):
+                        found.append(_Found(rel, path, _NOT_REGULAR))
+                    continue
                 else:
                     real = path
             except OSError as exc:
@@ -572,7 +601,11 @@ def _load_file(
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
     from pypdf import PdfReader
 
-    if b"%%EOF" not in data[-65536:]:
+    # The marker ends the file, give or take trailing whitespace (some tools pad with it).
+    end = len(data)
+    while end and data[end - 1] in b" \t\r\n\x00\x0c":
+        end -= 1
+    if b"%%EOF" not in data[max(0, end - 65536) : end]:
         raise _fail(uri, "broken PDF (truncated: no %%EOF marker)")
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
