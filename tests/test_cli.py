@@ -75,9 +75,31 @@ def test_chunk_json_shape(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     chunks = json.loads(result.stdout)["chunks"]
     assert len(chunks) > 1
-    assert set(chunks[0]) == {"index", "text", "token_count", "headings", "char_start", "char_end"}
+    assert set(chunks[0]) == {
+        "uri",
+        "page",
+        "index",
+        "text",
+        "token_count",
+        "headings",
+        "char_start",
+        "char_end",
+    }
     assert all(c["token_count"] <= 64 for c in chunks)
     assert chunks[0]["headings"] == ["Title"]
+    assert (chunks[0]["uri"], chunks[0]["page"]) == (f"{tmp_path.name}/g.md", None)
+
+
+def test_chunk_names_the_page_of_each_pdf_chunk(tmp_path: Path) -> None:
+    from tests.test_sources import make_pdf
+
+    (tmp_path / "two.pdf").write_bytes(make_pdf(["First page text.", "Second page text."]))
+    result = run(["chunk", str(tmp_path / "two.pdf"), "--json"], {})
+    assert result.returncode == 0, result.stderr
+    chunks = json.loads(result.stdout)["chunks"]
+    assert [(c["page"], c["index"]) for c in chunks] == [(1, 0), (2, 0)]
+    assert chunks[1]["uri"].endswith("two.pdf#page=2")
+    assert "Second page" in chunks[1]["text"]
 
 
 def test_ingest_query_status_round_trip(

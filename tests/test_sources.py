@@ -19,6 +19,7 @@ from quarry.sources import (
     DEFAULT_INCLUDE,
     LoadFailure,
     SourceSpec,
+    _markup_title,
     discover,
     html_to_text,
     iter_documents,
@@ -252,6 +253,50 @@ def test_html_without_main_uses_the_body() -> None:
     )
     assert title == "Only"
     assert text == "# Only\n\nBody text.\n"
+
+
+@pytest.mark.parametrize(
+    ("html", "expected"),
+    [
+        (  # an article in a sidebar is not the page
+            "<aside><article>Related: see also</article></aside>"
+            "<div><h1>Install</h1><p>Run pip install it.</p></div>",
+            "Run pip install it.",
+        ),
+        (  # two articles: both kept
+            "<article><p>First post.</p></article><article><p>Second post.</p></article>",
+            "Second post.",
+        ),
+        ("<main hidden>old text</main><div>Visible text.</div>", "Visible text."),
+        ("<main></main><p>Text outside an empty main.</p>", "Text outside an empty main."),
+    ],
+)
+def test_html_main_text_is_the_shown_main_content(html: str, expected: str) -> None:
+    _title, text = html_to_text(f"<html><body>{html}</body></html>")
+    assert expected in text
+    assert "old text" not in text
+
+
+def test_an_empty_html_heading_or_item_does_not_mark_the_next_block() -> None:
+    _title, text = html_to_text(
+        '<html><body><h2><a id="install"></a></h2><p>Run the installer.</p>'
+        "<ul><li><button>x</button></li></ul><p>An ordinary paragraph.</p></body></html>"
+    )
+    assert text == "Run the installer.\n\nAn ordinary paragraph.\n"
+
+
+@pytest.mark.parametrize(
+    ("markdown", "title"),
+    [
+        ("---\ntitle: Real Title\ndate: 2024-01-01\n---\n\n## Usage\n", "Real Title"),
+        ("---\ndate: 2024-01-01\n---\n\n## Usage\n", "Usage"),
+        ("- first item\n---\n\n## After\n", "After"),
+        ("1. numbered\n=====\n", ""),
+        ("````\n```\n# Not a title\n````\n# Title\n", "Title"),
+    ],
+)
+def test_markdown_titles_skip_front_matter_lists_and_fences(markdown: str, title: str) -> None:
+    assert _markup_title(markdown, rst=False) == title
 
 
 def test_load_path_reads_any_single_file_as_text(tmp_path: Path) -> None:

@@ -247,10 +247,13 @@ def chunk(
 
         chunker = Chunker(settings.chunk_tokens, settings.chunk_overlap)
         documents = load_path(file, max_file_bytes=settings.max_file_bytes)
-        chunks = [c for document in documents for c in chunker.chunk(document)]
+        # A PDF is one document per page: each chunk says which, its offsets are into it.
+        chunks = [(d, c) for d in documents for c in chunker.chunk(d)]
     data = {
         "chunks": [
             {
+                "uri": d.uri,
+                "page": d.metadata.get("page"),
                 "index": c.index,
                 "text": c.text,
                 "token_count": c.token_count,
@@ -258,15 +261,18 @@ def chunk(
                 "char_start": c.char_start,
                 "char_end": c.char_end,
             }
-            for c in chunks
+            for d, c in chunks
         ]
     }
 
     def human() -> None:
-        for c in chunks:
+        for d, c in chunks:
             where = " > ".join(c.headings)
+            page = d.metadata.get("page")
             typer.echo(
-                f"--- chunk {c.index}: {c.token_count} tokens, chars {c.char_start}-{c.char_end}"
+                f"--- chunk {c.index}"
+                + (f" of page {page}" if page is not None else "")
+                + f": {c.token_count} tokens, chars {c.char_start}-{c.char_end}"
                 + (f" [{where}]" if where else "")
             )
             typer.echo(c.text)

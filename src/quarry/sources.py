@@ -449,21 +449,41 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
 _MD_ATX = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
 _UNDERLINE = re.compile(r"^([=\-`:'\"~^_*+#<>.])\1{2,}[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+# A list item's line is never a setext title (CommonMark: "- a" then "---" is a rule).
+_LIST_ITEM = re.compile(r"^ {0,3}(?:[-*+]|\d{1,9}[.)])(?:[ \t]|$)")
+_FRONT_TITLE = re.compile(r"""^title:[ \t]*["']?(.*?)["']?[ \t]*$""")
 
 
 def _markup_title(text: str, rst: bool) -> str:
-    """The first top-level heading of markdown or rst text ('' if none)."""
+    """The first top-level heading of markdown or rst text ('' if none).
+
+    Markdown's YAML front matter gives its ``title:`` when it has one, and is
+    never read as headings (its closing ``---`` is not a setext underline).
+    """
     best: tuple[int, str] | None = None
     fence: str | None = None
     lines = text.split("\n", 2000)[:2000]
     styles: list[str] = []
+    start = 0
+    if not rst and lines and lines[0].rstrip() == "---":
+        end = next(
+            (i for i in range(1, min(len(lines), 200)) if lines[i].rstrip() in ("---", "...")), 0
+        )
+        if end:
+            for line in lines[1:end]:
+                m = _FRONT_TITLE.match(line)
+                if m and m.group(1).strip():
+                    return m.group(1).strip()
+            start = end + 1
     for i, line in enumerate(lines):
+        if i < start:
+            continue
         if not rst:
             f = _FENCE.match(line)
             if f:
                 if fence is None:
-                    fence = f.group(1)[0] * 3
-                elif line.strip().startswith(fence):
+                    fence = f.group(1)
+                elif line.strip().startswith(fence[0] * len(fence)):
                     fence = None
                 continue
             if fence is not None:
@@ -477,7 +497,13 @@ def _markup_title(text: str, rst: bool) -> str:
                     best = (level, title)
                 continue
         u = _UNDERLINE.match(line)
-        if u and i > 0 and lines[i - 1].strip() and not _UNDERLINE.match(lines[i - 1]):
+        if (
+            u
+            and i > start
+            and lines[i - 1].strip()
+            and not _UNDERLINE.match(lines[i - 1])
+            and (rst or not _LIST_ITEM.match(lines[i - 1]))
+        ):
             title = lines[i - 1].strip()
             if rst:
                 over = i > 1 and lines[i - 2].strip() == line.strip()
@@ -870,6 +896,8 @@ def _render(root: Any, out: _HtmlText) -> None:
                 out.inline.append(" ")
             elif tag in _HEADINGS or tag in _BLOCK_TAGS:
                 out.flush()
+                if tag in _HEADINGS or tag == "li":
+                    out.prefix = ""  # an empty heading or item does not mark the next block
                 if tag in ("ul", "ol") and lists:
                     lists.pop()
             continue
@@ -923,11 +951,51 @@ def _render(root: Any, out: _HtmlText) -> None:
         stack.extend((child, False) for child in reversed(children))
 
 
+def _main_node(tree: Any) -> Any:
+    """The element holding the page's main text: the first shown ``<main>`` or
+    ``[role=main]``, else the page's one ``<article>``, else ``<body>``.
+
+    Shown: neither it nor an element around it is dropped (hidden, navigation) or
+    page furniture (``aside``, ``header``, ``footer``). Several articles (a blog's
+    front page) are all kept, through the body.
+    """
+    for selector in ("main", "[role=main]"):
+        for node in tree.css(selector):
+            if _shown(node):
+                return node
+    articles = [node for node in tree.css("article") if _shown(node)]
+    outermost = [a for a in articles if not any(_encloses(b, a) for b in articles if b is not a)]
+    if len(outermost) == 1:
+        return outermost[0]
+    return tree.body
+
+
+_FURNITURE = frozenset({"aside", "header", "footer"})
+
+
+def _shown(node: Any) -> bool:
+    while node is not None and node.tag not in ("body", "html"):
+        if node.tag in _FURNITURE or _dropped(node):
+            return False
+        node = node.parent
+    return True
+
+
+def _encloses(outer: Any, inner: Any) -> bool:
+    node = inner.parent
+    while node is not None:
+        if node == outer:
+            return True
+        node = node.parent
+    return False
+
+
 def html_to_text(html: str) -> tuple[str, str]:
     """The title and main text of an HTML page, as markdown-ish text.
 
-    Uses selectolax (lexbor). The main text is ``<main>``, ``[role=main]`` or
-    ``<article>`` when the page has one, else ``<body>``. Scripts, styles,
+    Uses selectolax (lexbor). The main text is the page's shown ``<main>``,
+    ``[role=main]`` or single ``<article>`` when it has one, else ``<body>``
+    (see :func:`_main_node`). Scripts, styles,
     navigation (``<nav>``, navigation roles, Sphinx sidebars and header
     links) are dropped. Headings become ``#`` lines, list items ``-`` lines,
     ``pre`` blocks fenced code.
@@ -939,18 +1007,16 @@ def html_to_text(html: str) -> tuple[str, str]:
     title_node = tree.css_first("title")
     if title_node is not None:
         title = _SPACE_RUN.sub(" ", title_node.text(deep=True) or "").strip()
-    main = None
-    for selector in ("main", "[role=main]", "article"):
-        main = tree.css_first(selector)
-        if main is not None:
-            break
-    if main is None:
-        main = tree.body
+    main = _main_node(tree)
     if main is None:
         return title, ""
     out = _HtmlText()
     _render(main, out)
     text = out.text()
+    if not text and tree.body is not None and main is not tree.body:
+        out = _HtmlText()  # the chosen element held nothing to read: take the whole page
+        _render(tree.body, out)
+        text = out.text()
     if not title:
         h1 = main.css_first("h1")
         if h1 is not None:
