@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -21,3 +22,25 @@ def configure_prefect_environment(data_dir: Path) -> None:
     # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "240")
     os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "WARNING")
+
+
+class _NoQuarryTraceback(logging.Filter):
+    """Drops the traceback from Prefect's log line for a flow or task that raised a
+    QuarryError: those errors say what is wrong and what to do on their own, and the
+    CLI prints that as its last line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from quarry.errors import QuarryError
+
+        if record.exc_info and isinstance(record.exc_info[1], QuarryError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_quarry_tracebacks() -> None:
+    """Install :class:`_NoQuarryTraceback` on Prefect's run loggers (idempotent)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoQuarryTraceback) for f in logger.filters):
+            logger.addFilter(_NoQuarryTraceback())

@@ -27,7 +27,7 @@ from quarry.config import Settings, get_settings
 from quarry.documents import Document
 from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
 from quarry.services import open_services
-from quarry.sources import open_source
+from quarry.sources import DEFAULT_EXCLUDE, open_source
 
 
 # No Prefect retries: the clients own retries of transient failures, and a
@@ -119,7 +119,7 @@ def ingest_flow(
         full_sync: Delete documents gone from a source (scoped to that source).
         allow_mass_delete: Allow a sync to delete more than ``QUARRY_MAX_DELETE_FRACTION``.
         include: Globs of files to index (default: md, txt, rst, html, pdf).
-        exclude: Globs of files to skip.
+        exclude: Globs of files to skip, besides the default ones (.git, node_modules, ...).
         reread: Read and hash every file, even one whose mtime and size are those its
             documents were indexed from (after restoring files with old mtimes, say).
 
@@ -132,8 +132,8 @@ def ingest_flow(
     globs: dict[str, Any] = {}
     if include:
         globs["include"] = tuple(include)
-    if exclude:
-        globs["exclude"] = tuple(exclude)
+    if exclude:  # on top of the defaults (.git, node_modules, .venv, ...), not instead
+        globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
     specs = [open_source(path, **globs) for path in sources]
     with one_writer(settings, settings.collection), open_services(settings) as services:
         sync = IndexSync(

@@ -65,8 +65,31 @@ def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> Non
     )
     assert result.returncode == 1
     assert "http://127.0.0.1:9" in result.stderr
+    # The wait is announced as it starts, not only when the budget is spent.
+    assert "retrying for up to 2s (QUARRY_RETRY_BUDGET)" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["chunk", "{file}", "--max-tokens", "16", "--overlap", "100"], {}, "--overlap"),
+        (["chunk", "{file}"], {"QUARRY_CHUNK_TOKENS": "abc"}, "QUARRY_CHUNK_TOKENS:"),
+        (["status"], {"QUARRY_EMBED_URL": "not a url"}, "QUARRY_EMBED_URL: 'not a url' is not"),
+        (["chunk", "{dir}"], {}, "is a directory"),
+    ],
+)
+def test_bad_settings_and_arguments_are_usage_errors_that_say_what_to_fix(
+    tmp_path: Path, args: list[str], env: dict[str, str], expected: str
+) -> None:
+    doc = write_corpus(tmp_path / "c", {"a.md": "# A\n\nText."})
+    args = [a.format(file=doc / "a.md", dir=doc) for a in args]
+    result = run(args, {"QUARRY_DATA_DIR": str(tmp_path / "d"), **env}, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+    assert "pydantic" not in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_chunk_json_shape(tmp_path: Path) -> None:
@@ -155,5 +178,10 @@ def test_query_refuses_a_different_model(
     assert run(["ingest", str(corpus)], env).returncode == 0
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, seed=3)) as other:
         refused = run(["query", "alpha"], {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": other.url})
+        ingest = run(["ingest", str(corpus)], {**env, "QUARRY_EMBED_URL": other.url})
     assert refused.returncode == 3
     assert "quarry reindex" in refused.stderr
+    # The flow fails with the refusal: one clear line, no traceback from Prefect's log.
+    assert ingest.returncode == 3, ingest.stderr
+    assert "quarry reindex" in ingest.stderr
+    assert "Traceback" not in ingest.stderr, ingest.stderr

@@ -61,7 +61,11 @@ def async_retrying(policy: RetryPolicy) -> tenacity.AsyncRetrying:
     """``policy`` as an async tenacity controller: the same retry, stop and wait rules."""
     template = policy.retrying()
     return tenacity.AsyncRetrying(
-        retry=template.retry, stop=template.stop, wait=template.wait, reraise=True
+        retry=template.retry,
+        stop=template.stop,
+        wait=template.wait,
+        reraise=True,
+        before_sleep=template.before_sleep,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import email.utils
 import functools
 import json
+import logging
 import random
 import ssl
 import time
@@ -34,6 +35,9 @@ T = TypeVar("T")
 # 503: unhealthy or starting. All are worth another try after a pause.
 TRANSIENT_STATUS = frozenset({408, 424, 429, 500, 502, 503, 504})
 REJECTED_STATUS = frozenset({400, 401, 403, 404, 405, 413, 422})
+
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -102,6 +106,20 @@ class RetryPolicy:
             wait=_RetryAfterOrBackoff(self.initial, self.maximum, self.jitter),
             reraise=True,
             sleep=time.sleep,
+            before_sleep=self.announce_retry,
+        )
+
+    def announce_retry(self, state: tenacity.RetryCallState) -> None:
+        """Say once per request, on its first retry, that it is waiting and for how long:
+        a service that is down would otherwise hold a command silent for the whole budget."""
+        if state.attempt_number != 1 or self.budget <= 0:
+            return
+        outcome = state.outcome
+        error = outcome.exception() if outcome is not None else None
+        logger.warning(
+            "%s; retrying for up to %gs (QUARRY_RETRY_BUDGET)",
+            error if error is not None else "request failed",
+            self.budget,
         )
 
 

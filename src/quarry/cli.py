@@ -60,10 +60,14 @@ def _errors_to_exit_codes() -> Iterator[None]:
 
 
 def _settings(**overrides: Any) -> Settings:
+    from pydantic import ValidationError
+
+    from quarry.config import describe_invalid
+
     try:
         return get_settings(**overrides)
-    except ValueError as error:
-        _fail(f"invalid QUARRY_ setting: {error}", EXIT_USAGE)
+    except ValidationError as error:
+        _fail(f"invalid setting: {describe_invalid(error)}", EXIT_USAGE)
 
 
 @contextmanager
@@ -113,6 +117,10 @@ def _preflight(settings: Settings) -> None:
             _ = client.info
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _emit(as_json: bool, data: dict[str, Any], human: Callable[[], None]) -> None:
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
@@ -153,9 +161,10 @@ def ingest(
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
     with _errors_to_exit_codes():
         _preflight(settings)
-    from flows import configure_prefect_environment
+    from flows import configure_prefect_environment, quiet_quarry_tracebacks
 
     configure_prefect_environment(settings.data_dir)
+    quiet_quarry_tracebacks()
     with _errors_to_exit_codes(), _ingest_progress():
         from flows.ingest import ingest_flow
 
@@ -171,10 +180,12 @@ def ingest(
 
     def human() -> None:
         typer.echo(
-            f"{summary['collection']}: {summary['documents_seen']} documents seen, "
-            f"{summary['documents_skipped']} unchanged ({summary['files_unread']} files not "
-            f"read), {summary['documents_embedded']} embedded "
-            f"({summary['chunks_embedded']} chunks, {summary['embedding_requests']} requests), "
+            f"{summary['collection']}: {_count(summary['documents_seen'], 'document')} seen, "
+            f"{summary['documents_skipped']} unchanged "
+            f"({_count(summary['files_unread'], 'file')} not read), "
+            f"{summary['documents_embedded']} embedded "
+            f"({_count(summary['chunks_embedded'], 'chunk')}, "
+            f"{_count(summary['embedding_requests'], 'request')}), "
             f"{summary['documents_deleted']} deleted, {summary['documents_failed']} failed"
         )
         for failure in summary["failures"]:
@@ -239,6 +250,8 @@ def chunk(
 ) -> None:
     """Show how FILE will be split into chunks."""
     settings = _settings(chunk_tokens=max_tokens, chunk_overlap=overlap)
+    if file.is_dir():
+        _fail(f"{file}: is a directory; give one file (quarry chunk FILE)", EXIT_USAGE)
     if not file.is_file():
         _fail(f"{file}: no such file", EXIT_USAGE)
     with _errors_to_exit_codes():
@@ -385,9 +398,10 @@ def reindex(
         _fail("--min-ndcg needs --eval DATASET", EXIT_USAGE)
     with _errors_to_exit_codes():
         _preflight(settings)
-    from flows import configure_prefect_environment
+    from flows import configure_prefect_environment, quiet_quarry_tracebacks
 
     configure_prefect_environment(settings.data_dir)
+    quiet_quarry_tracebacks()
     with _errors_to_exit_codes():
         from flows.reindex import reindex_flow
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_QUERY_TASK = "Given a web search query, retrieve relevant passages that answer the query"
@@ -82,14 +82,18 @@ class Settings(BaseSettings):
     def _strip_trailing_slash(cls, value: str | None) -> str | None:
         if value is None or not value.strip():
             return None
-        return value.strip().rstrip("/")
+        url = value.strip().rstrip("/")
+        if not url.lower().startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        return url
 
     @model_validator(mode="after")
     def _overlap_below_size(self) -> Settings:
         if self.chunk_overlap >= self.chunk_tokens:
             raise ValueError(
-                f"QUARRY_CHUNK_OVERLAP ({self.chunk_overlap}) must be smaller than "
-                f"QUARRY_CHUNK_TOKENS ({self.chunk_tokens})"
+                f"the chunk overlap ({self.chunk_overlap}; --overlap or QUARRY_CHUNK_OVERLAP) "
+                f"must be smaller than the chunk size ({self.chunk_tokens}; --max-tokens or "
+                "QUARRY_CHUNK_TOKENS)"
             )
         return self
 
@@ -97,6 +101,19 @@ class Settings(BaseSettings):
     def qdrant_path(self) -> Path:
         """Where local-mode Qdrant keeps its files."""
         return self.data_dir / "qdrant"
+
+
+def describe_invalid(error: ValidationError) -> str:
+    """One line per problem of a failed Settings validation, naming the variable at fault."""
+    lines = []
+    for problem in error.errors():
+        message = str(problem.get("msg", "invalid")).removeprefix("Value error, ")
+        location = [str(part) for part in problem.get("loc", ())]
+        if location:
+            lines.append(f"QUARRY_{location[0].upper()}: {message}")
+        else:
+            lines.append(message)
+    return "; ".join(lines)
 
 
 def get_settings(**overrides: object) -> Settings:

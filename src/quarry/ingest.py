@@ -594,7 +594,7 @@ def _pending_documents(
             seen.update(doc.doc_id for doc in docs)
             continue
         if isinstance(item, LoadFailure):
-            log.warning("skipped %s: %s", item.uri, item.error)
+            log.warning("could not load %s: %s", item.uri, item.error)
             failed_uris.add(_file_uri(item.uri))
             report.fail([Failure(item.uri, item.error)])
             continue
