@@ -637,6 +637,33 @@ def test_reranker_down_answers_from_vector_scores_with_a_warning(make_app: AppFa
     assert "reranker" in ready["message"]
 
 
+@pytest.mark.parametrize("required", [False, True])
+def test_a_down_reranker_is_not_asked_again_by_every_query(
+    make_app: AppFactory, required: bool
+) -> None:
+    app = make_app(rerank_url=_dead_url(), rerank_required=required)
+    reranker = app.app_state["query_service"].reranker
+    calls = []
+    score = reranker.score
+
+    async def counted(*args: Any, **kwargs: Any) -> list[float]:
+        calls.append(args)
+        return await score(*args, **kwargs)
+
+    reranker.score = counted
+    answers = [query(app, {"query": f"gamma {n}"}) for n in range(3)]
+    # The first query found it down; the next ones, within the cooldown, did not ask.
+    assert len(calls) == 1
+    for answer in answers:
+        if required:
+            error = assert_error(answer, 503, "dependency_unavailable")
+            assert error["dependency"] == "reranker"
+        else:
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["reranked"] is False
+            assert "reranker unavailable" in answer.headers["warning"]
+
+
 def test_reranker_down_is_a_503_when_rerank_is_required(make_app: AppFactory) -> None:
     app = make_app(rerank_url=_dead_url(), rerank_required=True)
     error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")

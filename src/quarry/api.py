@@ -27,6 +27,7 @@ caller's, when it sends a sane one), which the log lines carry too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -78,6 +79,7 @@ from quarry.errors import (
     QueryTooLong,
     Refused,
     ServiceError,
+    ServiceUnavailable,
     ServingChanged,
 )
 from quarry.fingerprint import Fingerprint
@@ -111,6 +113,10 @@ READY_TIMEOUT_S = 5.0
 """How long ``/readyz`` waits for each dependency."""
 _PROBE = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
 """One attempt, no retry: for readiness probes, which must answer fast."""
+RERANK_COOLDOWN_S = 10.0
+"""How long queries answer from vector scores without asking a reranker that failed."""
+QUERY_RERANK_RETRY_S = 2.0
+"""The most a query waits on a failing reranker before it falls back (or, required, fails)."""
 _MIN_RECHECK_S = 1.0
 """At most one re-verification a second when hits carry another model's key."""
 _RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
@@ -605,6 +611,11 @@ class QueryService:
         self._judged_at = -math.inf  # time.monotonic() of the last verdict
         self._lock = asyncio.Lock()
         self._recheck: asyncio.Task[None] | None = None
+        # (until when, the error): a reranker outage, not asked again before then.
+        self._reranker_down: tuple[float, ServiceUnavailable] | None = None
+        self._rerank_retry = dataclasses.replace(
+            retry_policy(settings), budget=min(settings.retry_budget, QUERY_RERANK_RETRY_S)
+        )
 
     # -- the fingerprint verdict, cached ---------------------------------------------------
 
@@ -747,7 +758,7 @@ class QueryService:
         if body.rerank and hits:
             mark = time.perf_counter()
             try:
-                scores = await self.reranker.score(text, rerank_texts(hits))
+                scores = await self._rerank(text, rerank_texts(hits))
                 outcome = "reranked"
             except QueryTooLong:
                 raise ApiError(
@@ -786,6 +797,24 @@ class QueryService:
             timings_ms=timings,
         )
         return response, headers
+
+    async def _rerank(self, query: str, texts: list[str]) -> list[float]:
+        """Rerank scores, or at once the reranker's last outage while it is cooling down.
+
+        A reranker that failed is not asked again for RERANK_COOLDOWN_S: every query
+        would otherwise wait out the retries before falling back to vector scores.
+        The retries of one query are capped at QUERY_RERANK_RETRY_S for the same reason.
+        """
+        down = self._reranker_down
+        if down is not None and time.monotonic() < down[0]:
+            raise down[1]
+        try:
+            scores = await self.reranker.score(query, texts, retry=self._rerank_retry)
+        except ServiceUnavailable as error:
+            self._reranker_down = (time.monotonic() + RERANK_COOLDOWN_S, error)
+            raise
+        self._reranker_down = None
+        return scores
 
     def _fit_query(self, query: str, truncate: bool) -> tuple[str, bool]:
         """The query within QUARRY_MAX_QUERY_TOKENS: as is, cut (``truncate``), or a 422."""
