@@ -22,8 +22,11 @@ nothing is asserted; the figures go to ``bench/.out/query_latency.json``.
 
     .venv/bin/python bench/query_latency.py [--points 20000] [--requests 400]
 
-Local-mode Qdrant admits one process, so the direct phase runs first and closes
-the collection before the API server opens it.
+The two phases alternate, ``--rounds`` times each (direct, API, direct, API, ...),
+and their latencies are pooled per phase: on a shared machine whose speed drifts
+by tens of percent within minutes, phases run one after the other would compare
+two machines. Local-mode Qdrant admits one process per folder, so the direct
+process reads a copy of the collection while the API server holds the original.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -369,7 +373,9 @@ def child_load(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(run_loop(main())))
 
 
-def _child(command: str, *extra: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def _child(
+    command: str, *extra: str, out: Path, args: argparse.Namespace, requests: int
+) -> dict[str, Any]:
     subprocess.run(
         [
             sys.executable,
@@ -378,7 +384,7 @@ def _child(command: str, *extra: str, out: Path, args: argparse.Namespace) -> di
             "--out",
             str(out),
             "--requests",
-            str(args.requests),
+            str(requests),
             "--warmup",
             str(args.warmup),
             "--levels",
@@ -423,6 +429,19 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 300
 # -- the report ---------------------------------------------------------------------------------
 
 
+def _pool(into: dict[str, Any], run: dict[str, Any]) -> None:
+    """Add one round's runs (per concurrency level) to the pooled ones."""
+    for level, result in run.items():
+        pooled = into.setdefault(
+            level,
+            {"latencies_ms": [], "outside_ms": [], "framework_ms": [], "errors": 0, "seconds": 0.0},
+        )
+        for key in ("latencies_ms", "outside_ms", "framework_ms"):
+            pooled[key].extend(result.get(key, []))
+        pooled["errors"] += result["errors"]
+        pooled["seconds"] += result["seconds"]
+
+
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     """Percentiles, throughput and errors of one closed-loop run."""
     import numpy as np
@@ -453,10 +472,10 @@ def orchestrate(args: argparse.Namespace) -> None:
     with TEIProcess(tei_settings) as tei, tempfile.TemporaryDirectory() as scratch:
         points = build_collection(data_dir, tei.url, args.points)
         tmp = Path(scratch)
-        log("direct calls (no API) ...")
-        direct = _child(
-            "_direct", "--data-dir", str(data_dir), "--tei", tei.url, out=tmp / "d.json", args=args
-        )
+        direct_dir = data_dir.with_name(data_dir.name + "-direct")
+        shutil.rmtree(direct_dir, ignore_errors=True)
+        shutil.copytree(data_dir, direct_dir, ignore=shutil.ignore_patterns(".lock"))
+        per_round = max(1, args.requests // args.rounds)
         port = _free_port()
         api_url = f"http://127.0.0.1:{port}"
         log(f"API server at {api_url} ...")
@@ -477,12 +496,39 @@ def orchestrate(args: argparse.Namespace) -> None:
             stdout=server_log,
             stderr=subprocess.STDOUT,
         )
+        direct: dict[str, Any] = {}
+        api: dict[str, Any] = {}
         try:
             _wait_ready(api_url, server)
-            log("API round trips ...")
-            api = _child(
-                "_load", "--api", api_url, "--client", args.client, out=tmp / "a.json", args=args
-            )
+            for round_ in range(1, args.rounds + 1):
+                log(f"round {round_}/{args.rounds}: direct calls (no API) ...")
+                _pool(
+                    direct,
+                    _child(
+                        "_direct",
+                        "--data-dir",
+                        str(direct_dir),
+                        "--tei",
+                        tei.url,
+                        out=tmp / "d.json",
+                        args=args,
+                        requests=per_round,
+                    ),
+                )
+                log(f"round {round_}/{args.rounds}: API round trips ...")
+                _pool(
+                    api,
+                    _child(
+                        "_load",
+                        "--api",
+                        api_url,
+                        "--client",
+                        args.client,
+                        out=tmp / "a.json",
+                        args=args,
+                        requests=per_round,
+                    ),
+                )
         finally:
             server.send_signal(signal.SIGINT)
             try:
@@ -490,6 +536,7 @@ def orchestrate(args: argparse.Namespace) -> None:
             except subprocess.TimeoutExpired:
                 server.kill()
             server_log.close()
+            shutil.rmtree(direct_dir, ignore_errors=True)
 
     rows = []
     results: dict[str, Any] = {}
@@ -520,7 +567,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     print(
         f"\nquery latency, ms: {points:,} chunks (local-mode Qdrant), local_tei hash "
         f"{tei_settings.dims}d no added latency, candidates 50 + rerank, top_k 10; "
-        f"{args.requests} requests at c=1, 4x that at higher concurrency; load client "
+        f"{args.requests} requests at c=1, 4x that at higher concurrency, in {args.rounds} "
+        f"alternating rounds per phase; load client "
         f"{'httpx2' if args.client == 'httpx2' else 'HTTP/1.1 on asyncio streams'}; "
         f"{info['nproc']} CPUs, load {info['load']}\n"
     )
@@ -566,6 +614,7 @@ def orchestrate(args: argparse.Namespace) -> None:
             "points": points,
             "tei": tei_settings.to_dict(),
             "requests": args.requests,
+            "rounds": args.rounds,
             "client": args.client,
             "results": results,
         },
@@ -582,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--points", type=int, default=20_000)
     parser.add_argument("--requests", type=int, default=400, help="at c=1; 4x that at c=16")
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="alternating rounds of each phase (default 4)"
+    )
     parser.add_argument(
         "--levels", default="1,16", help="concurrency levels, comma-separated (default 1,16)"
     )
