@@ -623,6 +623,47 @@ def test_a_query_too_long_for_the_reranker_alone_is_a_422(
     assert short_tei.stats.requests[("POST", "/rerank")] <= 4
 
 
+def _foreign_collection(data: Path, size: int, payload: dict[str, Any]) -> Path:
+    """A collection quarry did not create (no fingerprint), aliased ``test``."""
+    from qdrant_client import QdrantClient, models
+
+    (data / "qdrant").mkdir(parents=True)
+    client = QdrantClient(path=str(data / "qdrant"))
+    params = models.VectorParams(size=size, distance=models.Distance.COSINE)
+    client.create_collection("plain", params)
+    client.upsert("plain", [models.PointStruct(id=1, vector=[0.1] * size, payload=payload)])
+    client.update_collection_aliases(
+        change_aliases_operations=[
+            models.CreateAliasOperation(
+                create_alias=models.CreateAlias(collection_name="plain", alias_name="test")
+            )
+        ]
+    )
+    client.close()
+    return data
+
+
+def test_a_foreign_collection_of_another_vector_size_is_a_409(
+    make_app: AppFactory, tmp_path: Path
+) -> None:
+    app = make_app(data=_foreign_collection(tmp_path / "foreign", 8, {"text": "a"}))
+    error = assert_error(query(app, {"query": "alpha"}), 409, "fingerprint_mismatch")
+    assert "8-dimensional" in error["message"]
+    assert app.get("/readyz").json()["checks"]["fingerprint"]["ok"] is False
+
+
+def test_a_foreign_collections_odd_payload_reads_as_empty_fields(
+    make_app: AppFactory, tmp_path: Path
+) -> None:
+    odd = {"text": "alpha", "chunk_index": "first", "metadata": "m", "headings": "abc"}
+    app = make_app(data=_foreign_collection(tmp_path / "foreign", 32, odd))
+    response = query(app, {"query": "alpha", "rerank": False})
+    assert response.status_code == 200, response.text
+    [result] = response.json()["results"]
+    assert (result["text"], result["chunk_index"]) == ("alpha", 0)
+    assert (result["metadata"], result["headings"]) == ({}, [])
+
+
 def test_reranker_down_answers_from_vector_scores_with_a_warning(make_app: AppFactory) -> None:
     app = make_app(rerank_url=_dead_url())
     response = query(app, {"query": "gamma rays"})

@@ -607,7 +607,14 @@ class AsyncStore:
 
     async def metadata(self, physical: str) -> dict[str, Any]:
         """A physical collection's metadata (empty when it has none)."""
-        return dict((await self.client.get_collection(physical)).config.metadata or {})
+        return (await self.describe(physical))[0]
+
+    async def describe(self, physical: str) -> tuple[dict[str, Any], int | None]:
+        """A physical collection's metadata and the size of its (unnamed) dense vectors."""
+        config = (await self.client.get_collection(physical)).config
+        vectors = config.params.vectors
+        size = vectors.size if isinstance(vectors, models.VectorParams) else None
+        return dict(config.metadata or {}), size
 
     async def search(
         self, vector: Sequence[float], limit: int, query_filter: models.Filter | None = None

@@ -118,6 +118,7 @@ RERANK_COOLDOWN_S = 10.0
 QUERY_RERANK_RETRY_S = 2.0
 """The most a query waits on a failing reranker before it falls back (or, required, fails)."""
 _MIN_RECHECK_S = 1.0
+_VECTOR_SIZE = "quarry.api.vector_size"  # carried beside the metadata, never stored
 """At most one re-verification a second when hits carry another model's key."""
 _RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
@@ -678,7 +679,9 @@ class QueryService:
                 f"collection {self.store.alias!r} does not exist yet; run `quarry ingest PATH`",
                 dependency=_QDRANT,
             )
-        metadata = await self._call(_QDRANT, self.store.metadata(physical))
+        metadata, size = await self._call(_QDRANT, self.store.describe(physical))
+        if size is not None:
+            metadata = {**metadata, _VECTOR_SIZE: size}
         return stored_fingerprint(metadata), metadata
 
     def _judge(
@@ -686,6 +689,15 @@ class QueryService:
     ) -> Fingerprint:
         fingerprint, metadata = stored
         try:
+            size = metadata.get(_VECTOR_SIZE)
+            if fingerprint is None and size is not None and size != live.model.dimensions:
+                # A collection quarry did not create: no fingerprint, but its vectors say enough.
+                raise FingerprintMismatch(
+                    f"collection {self.store.alias!r} holds {size}-dimensional vectors, but the "
+                    f"embedding service now serves {live.model.describe()}: vectors of another "
+                    "size cannot be searched. Point QUARRY_EMBED_URL at the model that built it, "
+                    "or rebuild it with `quarry reindex`."
+                )
             verified = verify_fingerprint(
                 fingerprint,
                 live,
