@@ -14,6 +14,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -606,9 +607,11 @@ def test_an_alias_moved_to_another_models_collection_is_refused_at_once(
             ),
         ]
     )
-    time.sleep(1.1)  # re-verification on foreign hits is at most once a second
-    error = assert_error(query(app, body), 409, "fingerprint_mismatch")
-    assert "quarry reindex" in error["message"]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: query(app, body), range(8)))
+    # Every query after the move is refused; none answers with the other model's points.
+    for answer in answers:
+        assert "quarry reindex" in assert_error(answer, 409, "fingerprint_mismatch")["message"]
 
 
 def test_a_query_too_long_for_the_reranker_alone_is_a_422(
@@ -800,3 +803,76 @@ def test_openapi_documents_examples_and_the_error_shape(app: TestClient) -> None
     assert error_ref.endswith("/ErrorBody")
     assert "HTTPValidationError" not in json.dumps(schema)
     assert schema["components"]["securitySchemes"]["QuarryApiKey"]["scheme"] == "bearer"
+
+
+# -- client pieces ----------------------------------------------------------------------------
+
+
+def test_concurrent_rerank_clients_share_one_info_fetch_under_the_callers_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    import quarry._async_clients as clients
+    from quarry._async_clients import AsyncRerankClient
+    from quarry._http import RetryPolicy
+    from quarry.errors import ServiceUnavailable
+
+    budgets: list[float] = []
+
+    async def down(_http: Any, url: str, policy: RetryPolicy) -> None:
+        budgets.append(policy.budget)
+        await asyncio.sleep(0.05)
+        raise ServiceUnavailable(url, "down")
+
+    monkeypatch.setattr(clients, "afetch_info", down)
+
+    async def main() -> list[BaseException | list[float]]:
+        client = AsyncRerankClient("http://127.0.0.1:9", retry=RetryPolicy(budget=30.0))
+        try:
+            short = RetryPolicy(budget=2.0)
+            return await asyncio.gather(
+                *(client.score("q", ["a"], retry=short) for _ in range(4)),
+                return_exceptions=True,
+            )
+        finally:
+            await client.aclose()
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(outcome, ServiceUnavailable) for outcome in outcomes)
+    assert budgets == [2.0]  # one fetch for the four, under the query's budget
+
+
+def test_local_qdrant_is_opened_on_the_thread_that_uses_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from qdrant_client.local.persistence import CollectionPersistence
+
+    from quarry._async_clients import ThreadedLocalQdrant
+
+    _foreign_collection(tmp_path / "data", 8, {"text": "a"})
+    # As on a platform whose SQLite refuses a connection used by another thread.
+    monkeypatch.setattr(CollectionPersistence, "CHECK_SAME_THREAD", True)
+
+    async def main() -> int:
+        client = ThreadedLocalQdrant(str(tmp_path / "data" / "qdrant"))
+        try:
+            return (await client.count("plain", exact=True)).count
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "index"), [(3, 3), ("4", 4), ("--5", 0), ("\u00b2", 0), (True, 0), (None, 0)]
+)
+def test_a_payloads_chunk_index_of_any_type_reads_as_an_int(value: Any, index: int) -> None:
+    from qdrant_client import models
+
+    from quarry.search import result_from_point
+
+    point = models.ScoredPoint(id=1, version=0, score=0.5, payload={"chunk_index": value})
+    assert result_from_point(point, None).chunk_index == index

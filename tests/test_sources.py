@@ -277,6 +277,15 @@ def test_html_main_text_is_the_shown_main_content(html: str, expected: str) -> N
     assert "old text" not in text
 
 
+def test_a_page_of_many_articles_keeps_them_all() -> None:
+    articles = "".join(
+        f"<article><p>Post {n}.</p><article><p>Reply {n}.</p></article></article>"
+        for n in range(300)
+    )
+    _title, text = html_to_text(f"<html><body>{articles}</body></html>")
+    assert "Post 0." in text and "Reply 299." in text
+
+
 def test_an_empty_html_heading_or_item_does_not_mark_the_next_block() -> None:
     _title, text = html_to_text(
         '<html><body><h2><a id="install"></a></h2><p>Run the installer.</p>'
@@ -293,6 +302,9 @@ def test_an_empty_html_heading_or_item_does_not_mark_the_next_block() -> None:
         ("- first item\n---\n\n## After\n", "After"),
         ("1. numbered\n=====\n", ""),
         ("````\n```\n# Not a title\n````\n# Title\n", "Title"),
+        ("---\ntitle: >-\n  Folded\n---\n\n# Heading\n", "Heading"),
+        ('---\ntitle: "Quoted" # a comment\n---\n', "Quoted"),
+        ("---\ntitle: Plain # a comment\n---\n", "Plain"),
     ],
 )
 def test_markdown_titles_skip_front_matter_lists_and_fences(markdown: str, title: str) -> None:

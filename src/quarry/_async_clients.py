@@ -343,19 +343,32 @@ class AsyncRerankClient:
         )
         self._info: ServiceInfo | None = None
         self._info_loaded = False
-        self._lock = asyncio.Lock()
+        self._info_fetch: asyncio.Future[None] | None = None
 
     async def info(self, *, retry: RetryPolicy | None = None) -> ServiceInfo | None:
-        """TEI ``/info`` of the reranker (fetched once), or None when it has none."""
+        """TEI ``/info`` of the reranker (fetched once), or None when it has none.
+
+        Concurrent callers share one fetch (under the first caller's ``retry``), so a
+        reranker that is down costs them one retry budget together, not one each.
+        """
         if self._info_loaded:
             return self._info
-        async with self._lock:
-            if not self._info_loaded:
-                raw = await afetch_info(self._http, self.base_url, retry or self.retry)
-                if raw is not None and "model_id" in raw:
-                    self._info = ServiceInfo.from_tei(self.base_url, raw)
-                self._info_loaded = True
-            return self._info
+        fetch = self._info_fetch
+        if fetch is None:
+            fetch = self._info_fetch = asyncio.ensure_future(self._load_info(retry or self.retry))
+        try:
+            await asyncio.shield(fetch)
+        except BaseException:
+            if self._info_fetch is fetch and fetch.done():
+                self._info_fetch = None  # a later call tries again
+            raise
+        return self._info
+
+    async def _load_info(self, retry: RetryPolicy) -> None:
+        raw = await afetch_info(self._http, self.base_url, retry)
+        if raw is not None and "model_id" in raw:
+            self._info = ServiceInfo.from_tei(self.base_url, raw)
+        self._info_loaded = True
 
     async def dialect(self) -> Literal["tei", "cohere"]:
         """The API in use: as set, else TEI when ``/info`` answers, else Cohere-style."""
@@ -363,9 +376,9 @@ class AsyncRerankClient:
             return self._dialect
         return "tei" if await self.info() is not None else "cohere"
 
-    async def batch_size(self) -> int:
+    async def batch_size(self, *, retry: RetryPolicy | None = None) -> int:
         """Texts per request (rerank texts count against ``max_client_batch_size``)."""
-        info = await self.info()
+        info = await self.info(retry=retry)
         limit = (info.max_client_batch_size if info else None) or DEFAULT_RERANK_BATCH
         return min(limit, self._batch_size) if self._batch_size else limit
 
@@ -382,7 +395,7 @@ class AsyncRerankClient:
         a query too long on its own raises QueryTooLong at once.
         """
         policy = retry or self.retry
-        size = await self.batch_size()
+        size = await self.batch_size(retry=policy)
         batches = [list(texts[start : start + size]) for start in range(0, len(texts), size)]
         guard = _QueryGuard(self, query, policy)
         if len(batches) == 1:
@@ -524,8 +537,14 @@ class ThreadedLocalQdrant:
     """
 
     def __init__(self, path: str) -> None:
-        self._client = QdrantClient(path=path)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quarry-qdrant")
+        # Built on the thread that uses it: SQLite may refuse a connection used from
+        # another thread than its creator's (check_same_thread).
+        try:
+            self._client = self._thread.submit(QdrantClient, path=path).result()
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
 
     async def _run(self, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -569,9 +588,16 @@ class ThreadedLocalQdrant:
     async def close(self) -> None:
         """Close the client (releasing the folder's lock) and stop its thread."""
         try:
-            await self._run(self._client.close)
+            await self._run(self._close_here)
         finally:
             self._thread.shutdown(wait=False)
+
+    def _close_here(self) -> None:
+        client = self._client
+        del self._client
+        client.close()
+        # The last reference is dropped on this thread too, where qdrant-client's
+        # __del__ closes the connection once more.
 
 
 def open_async_qdrant(settings: Settings) -> AsyncQdrant:

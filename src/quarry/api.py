@@ -117,9 +117,7 @@ RERANK_COOLDOWN_S = 10.0
 """How long queries answer from vector scores without asking a reranker that failed."""
 QUERY_RERANK_RETRY_S = 2.0
 """The most a query waits on a failing reranker before it falls back (or, required, fails)."""
-_MIN_RECHECK_S = 1.0
 _VECTOR_SIZE = "quarry.api.vector_size"  # carried beside the metadata, never stored
-"""At most one re-verification a second when hits carry another model's key."""
 _RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
@@ -636,18 +634,24 @@ class QueryService:
                 self._recheck = asyncio.create_task(self._recheck_in_background())
             return verified
         async with self._lock:
-            if (self._verified is None and self._refused is None) or (
-                self._refused is not None and self._stale()
-            ):
+            if self._verified is None and self._refused is None:
                 await self.verify()
+            elif self._refused is not None and self._stale():
+                # One attempt: this request fails anyway if the dependency is down, and
+                # the requests queued behind it take this verdict instead of trying again.
+                try:
+                    await self.verify(_PROBE)
+                except ApiError as error:
+                    if error.status != 409:
+                        self._judged_at = time.monotonic()
+                        raise
             if self._refused is not None:
                 raise _refusal(self._refused.kind(self._refused.message))
             assert self._verified is not None
             return self._verified
 
-    def _stale(self, age: float | None = None) -> bool:
-        limit = self.settings.fingerprint_recheck_seconds if age is None else age
-        return time.monotonic() - self._judged_at > limit
+    def _stale(self) -> bool:
+        return time.monotonic() - self._judged_at > self.settings.fingerprint_recheck_seconds
 
     async def _recheck_in_background(self) -> None:
         try:
@@ -656,12 +660,12 @@ class QueryService:
         except ApiError as error:
             # A refusal is cached by verify(); a dependency that is down leaves the last
             # verdict standing (the queries meet the outage themselves) until the next try.
-            self._judged_at = time.monotonic()
             if error.status != 409:
                 logger.warning("quarry api: fingerprint recheck: %s", error.message)
         except Exception:  # never let a background task die unobserved
             logger.exception("quarry api: fingerprint recheck failed")
         finally:
+            self._judged_at = time.monotonic()  # the next try is a recheck period away
             self._recheck = None
 
     async def verify(self, retry: RetryPolicy | None = None) -> Fingerprint:
@@ -755,12 +759,22 @@ class QueryService:
                 _QDRANT, self.store.search(vector, max(body.candidates, body.top_k), query_filter)
             )
             timings["search"] = _ms_since(mark)
-            if attempt or not _other_model(hits, fingerprint) or not self._stale(_MIN_RECHECK_S):
+            if not _other_model(hits, fingerprint):
                 break
             # Points of another model: the alias moved (``quarry reindex``) since the
-            # verdict. Judge the collection behind it now, and answer under that verdict.
+            # verdict. Judge the collection behind it now (unless a request did while this
+            # one waited), and search again under that verdict; never answer with them.
+            if attempt:
+                raise _refusal(
+                    FingerprintMismatch(
+                        f"collection {self.store.alias!r} returned points written by another "
+                        f"model than {fingerprint.model.describe()}; it may be changing under "
+                        "a reindex: try again"
+                    )
+                )
             async with self._lock:
-                await self.verify()
+                if self._verified is fingerprint:
+                    await self.verify()
         truncated = truncated or cut
 
         warnings: list[str] = []
@@ -819,7 +833,15 @@ class QueryService:
         """
         down = self._reranker_down
         if down is not None and time.monotonic() < down[0]:
-            raise down[1]
+            # A new error each time: raising the cached one would grow its traceback
+            # (and keep every failed query's locals alive) until the reranker is back.
+            raise ServiceUnavailable(
+                down[1].url,
+                f"failed {time.monotonic() - down[0] + RERANK_COOLDOWN_S:.1f}s ago "
+                f"({str(down[1]).removeprefix(down[1].url + ': ')}); "
+                f"asked again {RERANK_COOLDOWN_S:g}s after that",
+                status=down[1].status,
+            )
         try:
             scores = await self.reranker.score(query, texts, retry=self._rerank_retry)
         except ServiceUnavailable as error:

@@ -128,8 +128,11 @@ def _index(value: object) -> int:
         return 0
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return 0
     return 0
 
 

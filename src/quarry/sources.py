@@ -220,6 +220,8 @@ class SourceSpec:
 
     def includes(self, rel: str) -> bool:
         """Whether a file at posix path ``rel`` (relative to the root) is part of the source."""
+        if self.file is not None:  # that file only, not one that differs in case
+            return rel == self.file
         return self._include_re.fullmatch(rel) is not None and not self.excludes(rel)
 
     def excludes(self, rel: str) -> bool:
@@ -451,7 +453,20 @@ _UNDERLINE = re.compile(r"^([=\-`:'\"~^_*+#<>.])\1{2,}[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 # A list item's line is never a setext title (CommonMark: "- a" then "---" is a rule).
 _LIST_ITEM = re.compile(r"^ {0,3}(?:[-*+]|\d{1,9}[.)])(?:[ \t]|$)")
-_FRONT_TITLE = re.compile(r"""^title:[ \t]*["']?(.*?)["']?[ \t]*$""")
+_FRONT_TITLE = re.compile(r"^title:[ \t]*(.*)$")
+
+
+def _yaml_scalar(value: str) -> str:
+    """A one-line YAML scalar's text: quotes removed, a trailing comment dropped; '' for
+    a block scalar (``|``, ``>-`` ...), whose text is on the lines below."""
+    value = value.strip()
+    if value[:1] in ("'", '"'):
+        end = value.find(value[0], 1)
+        return value[1:end].strip() if end > 0 else value[1:].strip()
+    value = value.split(" #", 1)[0].strip()
+    if value[:1] in ("|", ">"):
+        return ""
+    return value
 
 
 def _markup_title(text: str, rst: bool) -> str:
@@ -472,8 +487,10 @@ def _markup_title(text: str, rst: bool) -> str:
         if end:
             for line in lines[1:end]:
                 m = _FRONT_TITLE.match(line)
-                if m and m.group(1).strip():
-                    return m.group(1).strip()
+                if m:
+                    title = _yaml_scalar(m.group(1))
+                    if title:
+                        return title
             start = end + 1
     for i, line in enumerate(lines):
         if i < start:
@@ -963,8 +980,7 @@ def _main_node(tree: Any) -> Any:
         for node in tree.css(selector):
             if _shown(node):
                 return node
-    articles = [node for node in tree.css("article") if _shown(node)]
-    outermost = [a for a in articles if not any(_encloses(b, a) for b in articles if b is not a)]
+    outermost = [node for node in tree.css("article") if _shown(node) and not _inside_article(node)]
     if len(outermost) == 1:
         return outermost[0]
     return tree.body
@@ -981,12 +997,13 @@ def _shown(node: Any) -> bool:
     return True
 
 
-def _encloses(outer: Any, inner: Any) -> bool:
-    node = inner.parent
-    while node is not None:
-        if node == outer:
+def _inside_article(node: Any) -> bool:
+    # By tag, walking up: selectolax compares nodes by their HTML, not their identity.
+    parent = node.parent
+    while parent is not None:
+        if parent.tag == "article":
             return True
-        node = node.parent
+        parent = parent.parent
     return False
 
 
