@@ -28,7 +28,7 @@ from quarry.api import check_bind_address, create_app, serve
 from quarry.chunking import Chunker, count_tokens
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import ConfigError, StoreLocked
+from quarry.errors import ConfigError, FingerprintMismatch, StoreLocked
 from quarry.fingerprint import cosine
 from quarry.ingest import IndexSync, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
@@ -61,13 +61,19 @@ RESULT_FIELDS = {
 }
 
 
-def _build_collection(data_dir: Path, corpus: Path, url: str, **embedder: Any) -> None:
-    settings = Settings(data_dir=data_dir, collection="test")
-    store = VectorStore(open_client(settings), "test")
+def _build_collection(
+    data_dir: Path, corpus: Path, url: str, collection: str = "test", **embedder: Any
+) -> str:
+    """Ingest ``corpus`` into ``collection`` (an alias) and return its physical collection."""
+    settings = Settings(data_dir=data_dir, collection=collection)
+    store = VectorStore(open_client(settings), collection)
     client = EmbeddingClient(url, retry=NO_WAIT, **embedder)
     try:
         report = run_sync(IndexSync(store, client, Chunker(48, 8)), [open_source(corpus)])
         assert report.documents_failed == 0
+        physical = store.resolve()
+        assert physical is not None
+        return physical
     finally:
         store.close()
         client.close()
@@ -583,17 +589,8 @@ def test_an_alias_moved_to_another_models_collection_is_refused_at_once(
 
     data = tmp_path / "two"
     shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
-    other = Settings(data_dir=data, collection="other")
-    store = VectorStore(open_client(other), "other")
-    embedder = EmbeddingClient(other_tei.url, retry=NO_WAIT)
-    try:
-        corpus = write_corpus(tmp_path / "corpus", CORPUS)
-        run_sync(IndexSync(store, embedder, Chunker(48, 8)), [open_source(corpus)])
-        moved_to = store.resolve()
-        assert moved_to is not None
-    finally:
-        store.close()
-        embedder.close()
+    corpus = write_corpus(tmp_path / "corpus", CORPUS)
+    moved_to = _build_collection(data, corpus, other_tei.url, collection="other")
     app = make_app(data=data)
     body = {"query": "gamma rays", "rerank": False}
     assert query(app, body).status_code == 200
@@ -647,9 +644,18 @@ def _foreign_collection(data: Path, size: int, payload: dict[str, Any]) -> Path:
 
 
 def test_a_foreign_collection_of_another_vector_size_is_a_409(
-    make_app: AppFactory, tmp_path: Path
+    make_app: AppFactory, tmp_path: Path, tei: LocalTEIServer
 ) -> None:
-    app = make_app(data=_foreign_collection(tmp_path / "foreign", 8, {"text": "a"}))
+    data = _foreign_collection(tmp_path / "foreign", 8, {"text": "a"})
+    store = VectorStore(open_client(Settings(data_dir=data, collection="test")), "test")
+    embedder = EmbeddingClient(tei.url, retry=NO_WAIT)
+    try:  # `quarry query` (the sync Searcher) refuses it the same way
+        with pytest.raises(FingerprintMismatch, match="8-dimensional"):
+            Searcher(store, embedder, None).search("alpha")
+    finally:
+        store.close()
+        embedder.close()
+    app = make_app(data=data)
     error = assert_error(query(app, {"query": "alpha"}), 409, "fingerprint_mismatch")
     assert "8-dimensional" in error["message"]
     assert app.get("/readyz").json()["checks"]["fingerprint"]["ok"] is False

@@ -19,7 +19,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx2
 import openai
@@ -491,42 +491,6 @@ class _QueryGuard:
 # -- Qdrant (read side) -----------------------------------------------------------------------
 
 
-class AsyncQdrant(Protocol):
-    """What :class:`AsyncStore` asks of a Qdrant client (``AsyncQdrantClient`` has it all)."""
-
-    async def get_aliases(self) -> models.CollectionsAliasesResponse:
-        """Every alias and the collection it points at."""
-        ...
-
-    async def get_collection(self, collection_name: str) -> models.CollectionInfo:
-        """One collection's configuration."""
-        ...
-
-    async def get_collections(self) -> models.CollectionsResponse:
-        """Every collection."""
-        ...
-
-    async def count(self, collection_name: str, *, exact: bool = True) -> models.CountResult:
-        """How many points a collection holds."""
-        ...
-
-    async def query_points(
-        self,
-        collection_name: str,
-        *,
-        query: list[float],
-        limit: int,
-        query_filter: models.Filter | None,
-        with_payload: bool,
-    ) -> models.QueryResponse:
-        """The nearest points."""
-        ...
-
-    async def close(self) -> None:
-        """Release the client."""
-        ...
-
-
 class ThreadedLocalQdrant:
     """Local-mode Qdrant for async code: the sync client, called on a thread of its own.
 
@@ -598,6 +562,10 @@ class ThreadedLocalQdrant:
         client.close()
         # The last reference is dropped on this thread too, where qdrant-client's
         # __del__ closes the connection once more.
+
+
+AsyncQdrant = AsyncQdrantClient | ThreadedLocalQdrant
+"""What :class:`AsyncStore` reads through: a server's async client, or local mode on a thread."""
 
 
 def open_async_qdrant(settings: Settings) -> AsyncQdrant:

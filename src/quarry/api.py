@@ -117,7 +117,6 @@ RERANK_COOLDOWN_S = 10.0
 """How long queries answer from vector scores without asking a reranker that failed."""
 QUERY_RERANK_RETRY_S = 2.0
 """The most a query waits on a failing reranker before it falls back (or, required, fails)."""
-_VECTOR_SIZE = "quarry.api.vector_size"  # carried beside the metadata, never stored
 _RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
@@ -586,6 +585,15 @@ def _incoming_request_id(scope: Scope) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class _Stored:
+    """What the collection behind the alias says about the model that built it."""
+
+    fingerprint: Fingerprint | None
+    metadata: dict[str, Any]
+    vector_size: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Refusal:
     kind: type[Refused]
     message: str
@@ -674,7 +682,7 @@ class QueryService:
         live = await self._call(_EMBEDDING, self.embedder.read_fingerprint(retry=retry))
         return self._judge(stored, live)
 
-    async def _stored(self) -> tuple[Fingerprint | None, dict[str, Any]]:
+    async def _stored(self) -> _Stored:
         physical = await self._call(_QDRANT, self.store.resolve())
         if physical is None:
             raise ApiError(
@@ -684,29 +692,16 @@ class QueryService:
                 dependency=_QDRANT,
             )
         metadata, size = await self._call(_QDRANT, self.store.describe(physical))
-        if size is not None:
-            metadata = {**metadata, _VECTOR_SIZE: size}
-        return stored_fingerprint(metadata), metadata
+        return _Stored(stored_fingerprint(metadata), metadata, size)
 
-    def _judge(
-        self, stored: tuple[Fingerprint | None, dict[str, Any]], live: Fingerprint
-    ) -> Fingerprint:
-        fingerprint, metadata = stored
+    def _judge(self, stored: _Stored, live: Fingerprint) -> Fingerprint:
         try:
-            size = metadata.get(_VECTOR_SIZE)
-            if fingerprint is None and size is not None and size != live.model.dimensions:
-                # A collection quarry did not create: no fingerprint, but its vectors say enough.
-                raise FingerprintMismatch(
-                    f"collection {self.store.alias!r} holds {size}-dimensional vectors, but the "
-                    f"embedding service now serves {live.model.describe()}: vectors of another "
-                    "size cannot be searched. Point QUARRY_EMBED_URL at the model that built it, "
-                    "or rebuild it with `quarry reindex`."
-                )
             verified = verify_fingerprint(
-                fingerprint,
+                stored.fingerprint,
                 live,
-                metadata,
+                stored.metadata,
                 collection=self.store.alias,
+                vector_size=stored.vector_size,
                 allow_serving_change=self.settings.allow_serving_change,
                 canary_min_cosine=self.settings.canary_min_cosine,
             )

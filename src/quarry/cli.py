@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 
-from quarry.config import Settings, get_settings
+from quarry.config import Settings, describe_invalid, get_settings
 from quarry.errors import ConfigError, QuarryError, Refused, SourceNotFound
 
 if TYPE_CHECKING:
@@ -55,15 +56,13 @@ def _errors_to_exit_codes() -> Iterator[None]:
         _fail(str(error), EXIT_USAGE)
     except QuarryError as error:
         _fail(str(error), EXIT_FAILED)
-    except ValueError as error:  # pydantic settings validation
+    except ValidationError as error:  # settings read again inside a flow
+        _fail(f"invalid setting: {describe_invalid(error)}", EXIT_USAGE)
+    except ValueError as error:
         _fail(f"invalid setting: {error}", EXIT_USAGE)
 
 
 def _settings(**overrides: Any) -> Settings:
-    from pydantic import ValidationError
-
-    from quarry.config import describe_invalid
-
     try:
         return get_settings(**overrides)
     except ValidationError as error:

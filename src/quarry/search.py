@@ -16,7 +16,7 @@ from typing import Any, Literal
 from qdrant_client import models
 
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import ServiceError
+from quarry.errors import FingerprintMismatch, ServiceError
 from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
 from quarry.rerank import RerankClient
 from quarry.store import META_ACCEPTED_SERVING, VectorStore
@@ -216,6 +216,7 @@ def verify_fingerprint(
     metadata: Mapping[str, Any],
     *,
     collection: str,
+    vector_size: int | None = None,
     allow_serving_change: bool = False,
     canary_min_cosine: float = 0.999,
 ) -> Fingerprint:
@@ -223,9 +224,17 @@ def verify_fingerprint(
 
     ``metadata`` is the collection's (for the accepted serving changes). Raises
     Refused when the live service cannot produce comparable vectors; a
-    collection quarry did not create (no stored fingerprint) runs under ``live``.
+    collection quarry did not create (no stored fingerprint) runs under ``live``
+    unless its ``vector_size`` shows another model made it.
     """
     if stored is None:
+        if vector_size is not None and vector_size != live.model.dimensions:
+            raise FingerprintMismatch(
+                f"collection {collection!r} holds {vector_size}-dimensional vectors, but the "
+                f"embedding service now serves {live.model.describe()}: vectors of another "
+                "size cannot be searched. Point QUARRY_EMBED_URL at the model that built it, "
+                "or rebuild it with `quarry reindex`."
+            )
         return live
     check_compatible(
         stored,
@@ -271,6 +280,7 @@ class Searcher:
                 live,
                 self.store.metadata() if stored is not None else {},
                 collection=self.store.alias,
+                vector_size=self.store.vector_size() if stored is None else None,
                 allow_serving_change=self.allow_serving_change,
                 canary_min_cosine=self.canary_min_cosine,
             )

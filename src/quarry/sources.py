@@ -492,9 +492,7 @@ def _markup_title(text: str, rst: bool) -> str:
                     if title:
                         return title
             start = end + 1
-    for i, line in enumerate(lines):
-        if i < start:
-            continue
+    for i, line in enumerate(lines[start:], start):
         if not rst:
             f = _FENCE.match(line)
             if f:

@@ -221,6 +221,11 @@ class VectorStore:
         name = physical or self._require()
         return dict(self.client.get_collection(name).config.metadata or {})
 
+    def vector_size(self, physical: str | None = None) -> int | None:
+        """The size of the collection's (unnamed) dense vectors; None for named vectors."""
+        vectors = self.client.get_collection(physical or self._require()).config.params.vectors
+        return vectors.size if isinstance(vectors, models.VectorParams) else None
+
     def update_metadata(self, values: Mapping[str, Any], physical: str | None = None) -> None:
         """Set top-level metadata keys (others are kept)."""
         self.client.update_collection(physical or self._require(), metadata=dict(values))
