@@ -367,6 +367,27 @@ def test_invalid_utf8_is_decoded_by_detection_and_says_so(tmp_path: Path) -> Non
     assert doc.metadata["encoding"] in {"cp1252", "latin_1", "iso8859_15", "cp1250"}
 
 
+@pytest.mark.parametrize("text", ["Ångström", "São Paulo ação", "Zürich, Ørsted & Ærø\n"])
+def test_short_latin1_text_is_not_read_as_a_cjk_encoding(tmp_path: Path, text: str) -> None:
+    # Detection alone calls these Big5 or UTF-16: two accented letters look like one CJK character.
+    (tmp_path / "short.txt").write_bytes(text.encode("latin-1"))
+    [doc] = load_document(tmp_path / "short.txt", open_source(tmp_path))
+    assert doc.text == text
+    assert doc.metadata["encoding"] == "cp1252"
+
+
+@pytest.mark.parametrize(
+    ("text", "encoding"),
+    [("Hello 你好 world", "big5"), ("The 中文 annex of the report", "big5")],
+)
+def test_mostly_ascii_cjk_text_keeps_its_detected_encoding(
+    tmp_path: Path, text: str, encoding: str
+) -> None:
+    (tmp_path / "cjk.txt").write_bytes(text.encode(encoding))
+    [doc] = load_document(tmp_path / "cjk.txt", open_source(tmp_path))
+    assert doc.text == text
+
+
 def test_undecodable_text_is_reported_with_what_was_tried(tmp_path: Path) -> None:
     garbage = bytes(range(0x80, 0x100)) * 40 + b"\xc3\x28\xa0\xa1\xe2\x28\xa1\xf0\x28\x8c\xbc"
     (tmp_path / "bad.md").write_bytes(garbage)

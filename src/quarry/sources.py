@@ -111,6 +111,16 @@ _TEXT_FALLBACK = "text/plain"
 _BINARY_SNIFF_BYTES = 8192
 _PREFERRED = "cp1252"
 _CHAOS_MARGIN = 0.05
+# Detection reads a few accented letters in mostly ASCII text ("Ångström" in
+# Latin-1) as CJK double-byte or BOM-less UTF-16 characters just as readily as
+# Western ones. Real text in those encodings is mostly non-ASCII bytes, so a
+# multi-byte verdict on text whose non-ASCII bytes are fewer than this share
+# gives way to cp1252 when cp1252 reads every byte.
+_MULTIBYTE_MIN_SHARE = 0.3
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
+_WESTERN_PUNCTUATION = frozenset("‘’‚“”„–—…•€£©®°«»¿¡·™†‡‰‹›")
+_MULTIBYTE = re.compile(r"big5|cp9[45]\d|gb|euc|hz|iso2022|johab|shift_jis|utf_(16|32)")
 _BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
 
 
@@ -407,6 +417,29 @@ def normalise_text(text: str) -> str:
     return text
 
 
+def _mostly_ascii_western(data: bytes) -> bool:
+    """Whether ``data`` reads as ASCII text with a few Western letters in cp1252.
+
+    Few non-ASCII bytes (see _MULTIBYTE_MIN_SHARE), in runs of at most three
+    characters (a CJK word in a double-byte encoding is a longer run), and
+    nearly all of them letters or Western punctuation (a Big5 lead byte reads
+    as a symbol such as ``§`` or ``¤``).
+    """
+    high = len(data) - len(data.translate(None, _HIGH_BYTES))
+    if high >= _MULTIBYTE_MIN_SHARE * len(data):
+        return False
+    try:
+        text = data.decode(_PREFERRED)
+    except UnicodeDecodeError:
+        return False
+    runs = _NON_ASCII_RUN.findall(text)
+    if any(len(run) > 3 for run in runs):
+        return False
+    chars = "".join(runs)
+    western = sum(1 for c in chars if c.isalpha() or c in _WESTERN_PUNCTUATION)
+    return western >= 0.8 * len(chars)
+
+
 def decode_text(data: bytes, uri: str) -> tuple[str, str]:
     """Decode file bytes: utf-8, utf-8-sig, then a detected encoding. Returns (text, encoding).
 
@@ -440,6 +473,8 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
         if match.chaos <= best.chaos + _CHAOS_MARGIN and _PREFERRED in match.could_be_from_charset:
             encoding = _PREFERRED
             break
+    if encoding != _PREFERRED and _MULTIBYTE.match(encoding) and _mostly_ascii_western(data):
+        encoding = _PREFERRED
     try:
         return data.decode(encoding), encoding
     except (UnicodeDecodeError, LookupError) as exc:
