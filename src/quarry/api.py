@@ -117,7 +117,7 @@ RERANK_COOLDOWN_S = 10.0
 """How long queries answer from vector scores without asking a reranker that failed."""
 QUERY_RERANK_RETRY_S = 2.0
 """The most a query waits on a failing reranker before it falls back (or, required, fails)."""
-_RERANK_WARNING = '199 quarry "reranker unavailable; answered from vector scores"'
+_RERANK_WARNING = '199 quarry "rerank failed; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
 

@@ -158,7 +158,7 @@ def rerank_texts(hits: Sequence[models.ScoredPoint]) -> list[str]:
 
 def rerank_fallback_warning(reason: object) -> str:
     """The warning given when the reranker failed and vector scores answer instead."""
-    return f"reranker unavailable, answering from vector scores: {reason}"
+    return f"rerank failed, answering from vector scores: {reason}"
 
 
 def score_threshold(
