@@ -185,3 +185,36 @@ def test_query_refuses_a_different_model(
     assert ingest.returncode == 3, ingest.stderr
     assert "quarry reindex" in ingest.stderr
     assert "Traceback" not in ingest.stderr, ingest.stderr
+
+
+def test_parity_gives_key_protected_candidates_the_services_key(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    # compose.yaml gates every TEI with --api-key, the engine being tried included.
+    config = LocalTEIConfig(backend="hash", dims=16, api_key="k3y")
+    with LocalTEIServer(config) as live, LocalTEIServer(config) as candidate:
+        env = {
+            "QUARRY_DATA_DIR": str(tmp_path / "d"),
+            "QUARRY_EMBED_URL": live.url,
+            "QUARRY_EMBED_API_KEY": "k3y",
+            "PREFECT_API_URL": prefect_api,
+        }
+        corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta", "b.md": "gamma delta"})
+        assert run(["ingest", str(corpus)], env).returncode == 0
+        result = run(
+            [
+                "parity",
+                "--candidate-embed-url",
+                candidate.url,
+                "--candidate-rerank-url",
+                candidate.url,
+                "--sample",
+                "2",
+                "--json",
+            ],
+            env,
+        )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] is True
+    assert report["rerank"]["top1_agreement"] == 1.0

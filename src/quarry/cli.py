@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -483,33 +483,20 @@ def parity(
     """
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
-        from quarry.embeddings import EmbeddingClient
         from quarry.parity import accept as record
         from quarry.parity import measure_parity
-        from quarry.rerank import RerankClient
-        from quarry.services import open_services, retry_policy
+        from quarry.services import embedding_client, open_services, rerank_client
 
-        with open_services(settings) as services:
-            candidate = EmbeddingClient(
-                candidate_embed_url.rstrip("/"),
-                api_key=settings.embed_api_key.get_secret_value()
-                if settings.embed_api_key
-                else None,
-                model=settings.embed_model,
-                retry=retry_policy(settings),
-                prompt_profile=settings.prompt_profile,
-                query_task=settings.query_task,
-                dialect=settings.embed_dialect,
-            )
-            candidate_reranker = (
-                RerankClient(
-                    candidate_rerank_url.rstrip("/"),
-                    retry=retry_policy(settings),
-                    dialect=settings.rerank_dialect,
-                )
-                if candidate_rerank_url
-                else None
-            )
+        with ExitStack() as stack:
+            services = stack.enter_context(open_services(settings))
+            # The candidates take the live services' keys: a stack that gates its
+            # TEI with --api-key gives the next engine the same one.
+            candidate = embedding_client(settings, candidate_embed_url)
+            stack.callback(candidate.close)
+            candidate_reranker = None
+            if candidate_rerank_url:
+                candidate_reranker = rerank_client(settings, candidate_rerank_url)
+                stack.callback(candidate_reranker.close)
             report = measure_parity(
                 services.store,
                 services.embedder,

@@ -65,33 +65,42 @@ def retry_policy(settings: Settings) -> RetryPolicy:
     return RetryPolicy(budget=settings.retry_budget)
 
 
+def embedding_client(settings: Settings, url: str) -> EmbeddingClient:
+    """An embedding client for ``url`` with the key, limits and profile the settings give."""
+    return EmbeddingClient(
+        url.rstrip("/"),
+        api_key=_secret(settings.embed_api_key),
+        model=settings.embed_model,
+        timeout=settings.embed_timeout,
+        retry=retry_policy(settings),
+        batch_size=settings.embed_batch_size,
+        concurrency=settings.embed_concurrency,
+        prompt_profile=settings.prompt_profile,
+        query_task=settings.query_task,
+        dialect=settings.embed_dialect,
+    )
+
+
+def rerank_client(settings: Settings, url: str) -> RerankClient:
+    """A rerank client for ``url``: its own key, else the embedding service's."""
+    return RerankClient(
+        url.rstrip("/"),
+        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
+        timeout=settings.embed_timeout,
+        retry=retry_policy(settings),
+        dialect=settings.rerank_dialect,
+    )
+
+
 @contextmanager
 def open_services(settings: Settings, *, quiet: bool = False) -> Iterator[Services]:
     """Clients for the embedding service, the reranker and Qdrant, closed on exit."""
     with ExitStack() as stack:
         embed_url = stack.enter_context(start_local_tei_if_needed(settings, quiet=quiet))
-        policy = retry_policy(settings)
-        embedder = EmbeddingClient(
-            embed_url,
-            api_key=_secret(settings.embed_api_key),
-            model=settings.embed_model,
-            timeout=settings.embed_timeout,
-            retry=policy,
-            batch_size=settings.embed_batch_size,
-            concurrency=settings.embed_concurrency,
-            prompt_profile=settings.prompt_profile,
-            query_task=settings.query_task,
-            dialect=settings.embed_dialect,
-        )
+        embedder = embedding_client(settings, embed_url)
         stack.callback(embedder.close)
         rerank_url = settings.rerank_url or embed_url
-        reranker = RerankClient(
-            rerank_url,
-            api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
-            timeout=settings.embed_timeout,
-            retry=policy,
-            dialect=settings.rerank_dialect,
-        )
+        reranker = rerank_client(settings, rerank_url)
         stack.callback(reranker.close)
         store = VectorStore(open_client(settings), settings.collection)
         stack.callback(store.close)
