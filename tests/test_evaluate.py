@@ -139,7 +139,7 @@ def test_loader_reads_judged_queries_and_graded_qrels() -> None:
     assert dataset.skipped_queries == 1
     assert dataset.qrels["q1"] == {"d1": 2, "d3": 1}
     assert dataset.qrels["q5"] == {"d6": 1}
-    assert dataset.corpus_size() == 8
+    assert (dataset.corpus_entries, dataset.empty_entries) == (8, 0)
 
 
 def test_corpus_passages_join_title_and_text_as_beir_does() -> None:
@@ -165,6 +165,85 @@ def test_loader_names_the_bad_line(tmp_path: Path) -> None:
     (tmp_path / "corpus.jsonl").write_text('{"_id": "a", "text": "ok"}\n{not json\n')
     with pytest.raises(UnreadableDocument, match=r"corpus\.jsonl:2"):
         list(iter_corpus(tmp_path / "corpus.jsonl"))
+
+
+def _dataset(
+    root: Path,
+    corpus: str | bytes = '{"_id": "d1", "text": "granite"}\n{"_id": "d2", "text": "basalt"}\n',
+    queries: str | bytes = '{"_id": "q1", "text": "granite"}\n',
+    qrels: str | bytes = "q1\td1\t1\n",
+) -> Path:
+    (root / "qrels").mkdir(parents=True)
+    for name, content in (
+        ("corpus.jsonl", corpus),
+        ("queries.jsonl", queries),
+        ("qrels/test.tsv", qrels),
+    ):
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        (root / name).write_bytes(data)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "where", "says"),
+    [
+        (
+            {
+                "corpus": '{"_id": "a", "text": "x"}\n{"_id": "b", "text": "y"}\n{"_id": "a", "text": "z"}\n'
+            },
+            r"corpus\.jsonl:3",
+            r"'a' is repeated \(first on line 1\)",
+        ),
+        (
+            {"queries": '{"_id": "q1", "text": "a"}\n{"_id": "q1", "text": "b"}\n'},
+            r"queries\.jsonl:2",
+            "repeated",
+        ),
+        ({"corpus": '{"_id": null, "text": "x"}\n'}, r"corpus\.jsonl:1", "non-empty string"),
+        ({"corpus": '{"_id": "", "text": "x"}\n'}, r"corpus\.jsonl:1", "non-empty string"),
+        (
+            {"corpus": '{"_id": "a", "title": ["x"], "text": "y"}\n'},
+            r"corpus\.jsonl:1",
+            "'title' is not a string",
+        ),
+        ({"corpus": b'{"_id": "a", "text": "caf\xe9"}\n'}, r"corpus\.jsonl:1", "not UTF-8"),
+        ({"qrels": b"q1\td1\t1\nq\xe9\td1\t1\n"}, r"test\.tsv:2", "not UTF-8"),
+        ({"qrels": "q1\td1\t1\nq1\td2\tinf\n"}, r"test\.tsv:2", "not a finite number"),
+        ({"qrels": "q1\td1\n"}, r"test\.tsv:1", "got 2 columns"),
+        ({"qrels": "q1\td1\t0\n"}, r"test\.tsv", "no document relevant"),
+        ({"corpus": ""}, r"corpus\.jsonl", "no entry with a title or text"),
+        ({"corpus": '{"_id": "a", "text": " "}\n'}, r"corpus\.jsonl", "no entry with a title"),
+    ],
+)
+def test_a_malformed_dataset_is_refused_naming_file_and_line(
+    tmp_path: Path, files: dict[str, str | bytes], where: str, says: str
+) -> None:
+    root = _dataset(tmp_path / "ds", **files)
+    with pytest.raises(UnreadableDocument, match=where) as caught:
+        load_beir(root)
+    assert caught.match(says)
+
+
+def test_qrels_forms_byte_order_mark_trec_columns_and_regrading(tmp_path: Path) -> None:
+    qrels = "\ufeffq1\t0\td1\t1\nq2 0 d2 2\nq3\td1\t1\nq3\td1\t0\nq2\td2\t1\n"
+    queries = "".join(f'{{"_id": "q{n}", "text": "query {n}"}}\n' for n in (1, 2, 3))
+    dataset = load_beir(_dataset(tmp_path / "ds", queries=queries, qrels=qrels))
+    # The BOM does not hide q1; TREC's iteration column is not a corpus id; the last
+    # grade of a pair stands, so q3's relevant pair was withdrawn.
+    assert dataset.qrels == {"q1": {"d1": 1}, "q2": {"d2": 1}}
+
+
+def test_judged_queries_without_text_and_empty_entries_are_counted(tmp_path: Path) -> None:
+    root = _dataset(
+        tmp_path / "ds",
+        corpus='{"_id": "d1", "text": "granite"}\n{"_id": "d2", "title": "", "text": ""}\n',
+        queries='{"_id": "q1", "text": "granite"}\n{"_id": "q2", "text": "  "}\n{"_id": "q3"}\n',
+        qrels="q1\td1\t1\nq2\td1\t1\nq3\td1\t1\n",
+    )
+    dataset = load_beir(root)
+    assert list(dataset.queries) == ["q1"]
+    assert dataset.skipped_queries == 2
+    assert (dataset.corpus_entries, dataset.empty_entries) == (2, 1)
 
 
 # ------------------------------------------------------------------------- whole runs
@@ -278,3 +357,45 @@ def test_runs_on_services_it_is_given(settings: Settings) -> None:
         result = run_evaluation(TINY, settings=settings, rerank=False, services=services)
         assert services.store.client.collection_exists(result["collection"])
     assert result["ingest"]["documents_embedded"] == 8
+
+
+def test_a_query_too_long_for_the_embedding_model_is_left_out_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long_query = " ".join(["granite quarries polished terraces"] * 25)
+    root = _dataset(
+        tmp_path / "ds",
+        queries=f'{{"_id": "q1", "text": "granite"}}\n{{"_id": "q2", "text": "{long_query}"}}\n',
+        qrels="q1\td1\t1\nq2\td1\t1\n",
+    )
+    # 64 tokens: q2 alone is over it, q1 with a 16-token passage is not.
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, max_input_length=64)) as short:
+        monkeypatch.setenv("QUARRY_EMBED_URL", short.url)
+        settings = Settings(data_dir=tmp_path / "data", chunk_tokens=16, chunk_overlap=2)
+        result = run_evaluation(root, settings=settings, details=True)
+    assert result["reranked"] is True  # q1 was reranked: no outage
+    assert result["queries"] == 1  # q2 is too long for the embedding model too: left out
+    [warning] = [w for w in result["warnings"] if "too long" in w]
+    assert "q2" in warning and "embedding model" in warning
+
+
+def test_rerank_refusal_of_one_query_is_not_an_outage(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quarry.errors import QueryTooLong
+    from quarry.rerank import RerankClient
+
+    score = RerankClient.score
+
+    def refuse_q1(self: RerankClient, query: str, texts: list[str], **kwargs: Any) -> list[float]:
+        if query.startswith("Granite quarries"):
+            raise QueryTooLong("http://reranker/rerank", "the query alone is over max_input_length")
+        return score(self, query, texts, **kwargs)
+
+    monkeypatch.setattr(RerankClient, "score", refuse_q1)
+    result = run_evaluation(TINY, settings=settings, details=True)
+    assert result["reranked"] is True
+    rows = result["per_query"]
+    assert rows["q1"]["ndcg@10"] == rows["q1"]["vector"]["ndcg@10"]
+    [warning] = [w for w in result["warnings"] if "refused" in w]
+    assert "q1" in warning and "q2" not in warning

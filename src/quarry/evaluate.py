@@ -24,17 +24,25 @@ How a run goes:
    way resumes where it stopped.
 3. Each judged query is embedded with :meth:`EmbeddingClient.embed_query`; the
    nearest ``candidates`` chunks are fetched (more when they hold fewer than
-   101 distinct documents, so recall@100 is always measured over 100 documents)
+   100 distinct documents besides the query's own id, so recall@100 is always
+   measured over 100 documents)
    and aggregated to documents by their best chunk (max score). A document whose
    corpus id equals the query id is dropped from that query's ranking (BEIR's
    convention; it matters for ArguAna-like sets).
-4. With rerank, the best chunks of the first ``rerank_depth`` documents are
-   scored by the reranker; those documents are ordered by their best rerank
-   score and the rest follow in vector order. The rerank score threshold of
+4. With rerank, every retrieved chunk of the first ``rerank_depth`` documents
+   is scored by the reranker; those documents are ordered by their best rerank
+   score and the rest follow in vector order. A query the reranker refuses
+   (too long for it) keeps its vector order, with a warning naming it; an
+   outage drops the reranked figures for the run. The rerank score threshold of
    ``quarry query`` is not applied: a ranking metric needs the whole ranking.
    The vector-only figures of the same run are reported beside them.
 5. Metrics are averaged over the judged queries (those with at least one
-   relevant document that also appear in ``queries.jsonl``).
+   relevant document and a non-empty text in ``queries.jsonl``). A query too
+   long for the embedding model is left out, with a warning naming it.
+
+The dataset is checked before anything is embedded: a line that is not JSON, an
+entry without a usable ``_id``, a duplicate id, a file that is not UTF-8 or a
+corpus with no text stops the run with the file and line at fault.
 """
 
 from __future__ import annotations
@@ -53,7 +61,13 @@ from typing import TYPE_CHECKING, Any
 
 from quarry.config import Settings
 from quarry.documents import Document
-from quarry.errors import QuarryError, ServiceError, SourceNotFound, UnreadableDocument
+from quarry.errors import (
+    InputTooLong,
+    QuarryError,
+    ServiceError,
+    SourceNotFound,
+    UnreadableDocument,
+)
 
 if TYPE_CHECKING:
     from qdrant_client import models
@@ -182,6 +196,8 @@ class BeirDataset:
     queries: dict[str, str]
     qrels: dict[str, dict[str, int]]
     skipped_queries: int = 0
+    corpus_entries: int = 0
+    empty_entries: int = 0
 
     @property
     def corpus_path(self) -> Path:
@@ -192,11 +208,6 @@ class BeirDataset:
         """The corpus entries in file order, one line at a time."""
         return iter_corpus(self.corpus_path)
 
-    def corpus_size(self) -> int:
-        """Number of non-blank lines in ``corpus.jsonl`` (cheap: nothing is parsed)."""
-        with self.corpus_path.open("rb") as handle:
-            return sum(1 for line in handle if line.strip())
-
     def corpus_digest(self) -> str:
         """sha256 of ``corpus.jsonl``'s bytes."""
         digest = hashlib.sha256()
@@ -206,59 +217,121 @@ class BeirDataset:
         return digest.hexdigest()
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Non-blank lines of a UTF-8 file (a leading byte order mark dropped), numbered from 1."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UnreadableDocument(f"{path}:{number}", f"not JSON: {error}") from error
-            if not isinstance(item, dict) or "_id" not in item:
-                raise UnreadableDocument(f"{path}:{number}", "expected an object with '_id'")
-            yield number, item
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise UnreadableDocument(f"{path}:{number}", f"not UTF-8: {error}") from None
+            if line.strip():
+                yield number, line
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """``(line number, id, object)`` per line; the id is a non-empty string or integer."""
+    for number, line in _text_lines(path):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UnreadableDocument(f"{path}:{number}", f"not JSON: {error}") from error
+        if not isinstance(item, dict) or "_id" not in item:
+            raise UnreadableDocument(f"{path}:{number}", "expected an object with '_id'")
+        raw_id = item["_id"]
+        if isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or str(raw_id) == "":
+            raise UnreadableDocument(
+                f"{path}:{number}", f"'_id' must be a non-empty string or integer, not {raw_id!r}"
+            )
+        yield number, str(raw_id), item
+
+
+def _corpus_entry(path: Path, number: int, doc_id: str, item: dict[str, Any]) -> CorpusEntry:
+    text, title = item.get("text"), item.get("title")
+    if not isinstance(text, str):
+        raise UnreadableDocument(f"{path}:{number}", "'text' is missing or not a string")
+    if title is not None and not isinstance(title, str):
+        raise UnreadableDocument(f"{path}:{number}", f"'title' is not a string: {title!r}")
+    return CorpusEntry(doc_id, (title or "").strip(), text)
 
 
 def iter_corpus(path: Path) -> Iterator[CorpusEntry]:
     """Stream ``corpus.jsonl``: one :class:`CorpusEntry` per line, in file order."""
-    for number, item in _json_lines(path):
-        text = item.get("text")
-        if not isinstance(text, str):
-            raise UnreadableDocument(f"{path}:{number}", "'text' is missing or not a string")
-        yield CorpusEntry(str(item["_id"]), str(item.get("title") or "").strip(), text)
+    for number, doc_id, item in _json_lines(path):
+        yield _corpus_entry(path, number, doc_id, item)
+
+
+def check_corpus(path: Path) -> tuple[int, int]:
+    """Read ``corpus.jsonl`` once before anything is embedded: ``(entries, entries without text)``.
+
+    UnreadableDocument names the line of the first malformed entry or repeated id
+    (two entries with one id would overwrite each other's points).
+    """
+    first_line: dict[str, int] = {}
+    entries = empty = 0
+    for number, doc_id, item in _json_lines(path):
+        entry = _corpus_entry(path, number, doc_id, item)
+        seen = first_line.setdefault(doc_id, number)
+        if seen != number:
+            raise UnreadableDocument(
+                f"{path}:{number}", f"_id {doc_id!r} is repeated (first on line {seen})"
+            )
+        entries += 1
+        empty += not entry.passage.strip()
+    return entries, empty
 
 
 def load_queries(path: Path) -> dict[str, str]:
-    """``queries.jsonl`` as ``{query id: text}``."""
-    return {str(item["_id"]): str(item.get("text") or "") for _, item in _json_lines(path)}
+    """``queries.jsonl`` as ``{query id: text}`` (a repeated id is an UnreadableDocument)."""
+    queries: dict[str, str] = {}
+    first_line: dict[str, int] = {}
+    for number, query_id, item in _json_lines(path):
+        seen = first_line.setdefault(query_id, number)
+        if seen != number:
+            raise UnreadableDocument(
+                f"{path}:{number}", f"_id {query_id!r} is repeated (first on line {seen})"
+            )
+        text = item.get("text")
+        queries[query_id] = text if isinstance(text, str) else ""
+    return queries
 
 
 def load_qrels(path: Path) -> dict[str, dict[str, int]]:
     """``qrels/<split>.tsv`` as ``{query id: {corpus id: grade}}``, grades > 0 only.
 
-    A first line whose score column is not an integer is a header and skipped.
+    Lines are ``query-id corpus-id score`` (BEIR, tab-separated) or TREC's
+    ``query-id iteration corpus-id score``; columns are split at tabs, or at
+    whitespace in a line without tabs. A first line whose score is not a number
+    is a header and skipped. A pair judged twice takes its last grade (as
+    pytrec_eval does).
     """
     qrels: dict[str, dict[str, int]] = {}
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    for number, line in _text_lines(path):
+        text = line.rstrip("\r\n")
+        fields = text.split("\t") if "\t" in text else text.split()
+        if len(fields) not in (3, 4):
+            raise UnreadableDocument(
+                f"{path}:{number}",
+                "expected query-id, corpus-id, score (or TREC's query-id, iteration, "
+                f"corpus-id, score), got {len(fields)} columns",
+            )
+        query_id, doc_id, score = fields[0], fields[-2], fields[-1]
+        try:
+            value = float(score)
+        except ValueError:
+            if number == 1:
                 continue
-            fields = line.rstrip("\r\n").split("\t")
-            if len(fields) < 3:
-                raise UnreadableDocument(f"{path}:{number}", "expected query-id, corpus-id, score")
-            query_id, doc_id, score = fields[0], fields[1], fields[-1]
-            try:
-                grade = int(float(score))
-            except ValueError:
-                if number == 1:
-                    continue
-                raise UnreadableDocument(
-                    f"{path}:{number}", f"score {score!r} is not a number"
-                ) from None
-            if grade > 0:
-                qrels.setdefault(query_id, {})[doc_id] = grade
-    return qrels
+            raise UnreadableDocument(
+                f"{path}:{number}", f"score {score!r} is not a number"
+            ) from None
+        if not math.isfinite(value):
+            raise UnreadableDocument(f"{path}:{number}", f"score {score!r} is not a finite number")
+        judged = qrels.setdefault(query_id, {})
+        if int(value) > 0:
+            judged[doc_id] = int(value)
+        else:
+            judged.pop(doc_id, None)
+    return {query_id: judged for query_id, judged in qrels.items() if judged}
 
 
 def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
@@ -280,7 +353,16 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
             raise SourceNotFound(str(required), f"missing from the BEIR dataset{hint}")
     queries = load_queries(root / "queries.jsonl")
     qrels = load_qrels(qrels_path)
-    judged = {qid: queries[qid] for qid in qrels if qid in queries}
+    if not qrels:
+        raise UnreadableDocument(
+            str(qrels_path), "judges no document relevant (no score above 0): nothing to measure"
+        )
+    judged = {qid: queries[qid] for qid in qrels if queries.get(qid, "").strip()}
+    entries, empty = check_corpus(root / "corpus.jsonl")
+    if entries == empty:
+        raise UnreadableDocument(
+            str(root / "corpus.jsonl"), "has no entry with a title or text: nothing to index"
+        )
     name = root.resolve().name or "dataset"
     return BeirDataset(
         root=root,
@@ -289,6 +371,8 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
         queries=judged,
         qrels={qid: qrels[qid] for qid in judged},
         skipped_queries=len(qrels) - len(judged),
+        corpus_entries=entries,
+        empty_entries=empty,
     )
 
 
@@ -355,17 +439,22 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
     report = IngestReport(collection=run.store.alias)
     sync.prepare(report)
     state = sync.plan_documents(run.dataset.name)
-    total = run.dataset.corpus_size()
-    done = 0
-    if run.progress:
-        run.progress("corpus", 0, total)
+    total = run.dataset.corpus_entries - run.dataset.empty_entries
+    done = shown = 0
+
+    def show() -> None:
+        nonlocal shown
+        if run.progress and (done == 0 or done != shown):
+            run.progress("corpus", done, total)
+            shown = done
+
+    show()
 
     def flush(batch: list[Document]) -> None:
         nonlocal done
         report.add(sync.write_batch(batch))
         done += len(batch)
-        if run.progress:
-            run.progress("corpus", done, total)
+        show()
 
     batch: list[Document] = []
     for document in _documents(run.dataset):
@@ -374,8 +463,8 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
         if not sync.rechunk_all and current is not None and current.is_current(document.doc_hash):
             report.documents_skipped += 1
             done += 1
-            if run.progress and done % 512 == 0:
-                run.progress("corpus", done, total)
+            if done % 512 == 0:
+                show()
             continue
         batch.append(document)
         if len(batch) >= INGEST_BATCH_DOCUMENTS:
@@ -383,8 +472,7 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
             batch = []
     if batch:
         flush(batch)
-    if run.progress:
-        run.progress("corpus", total, total)
+    show()
     sync.finish(report)
     return report
 
@@ -429,6 +517,11 @@ def _rerank(
     return [doc_id for doc_id, _ in reranked] + tail
 
 
+def _some(ids: Sequence[str], shown: int = 10) -> str:
+    more = len(ids) - shown
+    return ", ".join(ids[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def _evaluate_queries(run: _Run) -> dict[str, dict[str, Any]]:
     """Per query: the vector ranking's metrics and, with a reranker, the reranked ones."""
     per_query: dict[str, dict[str, Any]] = {}
@@ -436,10 +529,18 @@ def _evaluate_queries(run: _Run) -> dict[str, dict[str, Any]]:
     search_s = rerank_s = 0.0
     if run.progress:
         run.progress("queries", 0, total)
+    too_long: list[str] = []  # for the embedding model: left out
+    unreranked: list[str] = []  # refused by the reranker: vector order
     for done, (query_id, text) in enumerate(run.dataset.queries.items(), start=1):
         relevance = run.dataset.qrels[query_id]
         started = time.perf_counter()
-        vector = run.embedder.embed_query(text)
+        try:
+            vector = run.embedder.embed_query(text)
+        except InputTooLong:
+            too_long.append(query_id)
+            if run.progress and done == total:
+                run.progress("queries", done, total)
+            continue
         hits = _search(run, vector, query_id)
         ranking = rank_documents(((_beir_id(h), float(h.score)) for h in hits), exclude=query_id)
         search_s += time.perf_counter() - started
@@ -452,6 +553,11 @@ def _evaluate_queries(run: _Run) -> dict[str, dict[str, Any]]:
             started = time.perf_counter()
             try:
                 reranked = _rerank(run, text, hits, ranking, query_id)[:RANKING_DEPTH]
+            except InputTooLong:
+                # This query (or a passage with it) is too long for the reranker: an
+                # input problem of one query, not an outage.
+                unreranked.append(query_id)
+                row["reranked"] = row["vector"]
             except ServiceError as error:
                 run.warnings.append(f"reranker failed, reporting vector scores only: {error}")
                 run.reranker = None
@@ -464,6 +570,16 @@ def _evaluate_queries(run: _Run) -> dict[str, dict[str, Any]]:
         per_query[query_id] = row
         if run.progress and (done == total or done % 10 == 0):
             run.progress("queries", done, total)
+    if too_long:
+        run.warnings.append(
+            f"{len(too_long)} judged queries are too long for the embedding model and are "
+            f"left out of the figures: {_some(too_long)}"
+        )
+    if unreranked and run.reranker is not None:
+        run.warnings.append(
+            f"the reranker refused {len(unreranked)} queries as too long; their vector "
+            f"ranking stands in the reranked figures: {_some(unreranked)}"
+        )
     run.timings["search_s"] = round(search_s, 2)
     if rerank_s:
         run.timings["rerank_s"] = round(rerank_s, 2)
@@ -570,6 +686,10 @@ def _run(
     if dataset.skipped_queries:
         run.warnings.append(
             f"{dataset.skipped_queries} judged queries have no text in queries.jsonl: skipped"
+        )
+    if dataset.empty_entries:
+        run.warnings.append(
+            f"{dataset.empty_entries} corpus entries have no title or text: not indexed"
         )
     sync = IndexSync(
         store,
