@@ -178,6 +178,27 @@ def test_unreadable_file_is_reported_and_the_rest_indexed(harness: Harness) -> N
     assert [f.uri for f in report.failures] == ["corpus/broken.md"]
 
 
+def test_a_folder_that_cannot_be_listed_keeps_its_documents(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness.run()
+    before = harness.points()
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path).name == "notes":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    # Half the source lies under notes/: neither refused as a mass delete nor deleted.
+    report = harness.run()
+    assert [f.uri for f in report.failures] == ["corpus/notes/"]
+    assert "cannot list directory" in report.failures[0].error
+    assert report.documents_deleted == 0
+    assert harness.points().keys() == before.keys()
+
+
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:
     harness.run()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:

@@ -248,7 +248,8 @@ class IndexSync:
             files.setdefault(_file_uri(doc.uri), []).append(doc)
         listing = list_source(spec)
         if full_sync and files:
-            gone = len(files.keys() - listing.uris)
+            found, unlisted = listing.still_there()
+            gone = sum(1 for uri in files if uri not in found and not uri.startswith(unlisted))
             self._guard_deletes(spec, gone, len(files), allow_mass_delete)
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
@@ -465,12 +466,16 @@ class IndexSync:
     ) -> tuple[int, int]:
         """Delete documents gone from a fully synced source; returns (documents, points).
 
-        A file that failed to load is not gone: its documents are kept.
+        A file that failed to load is not gone, nor is anything under a folder
+        that could not be listed: their documents are kept.
         """
+        folders = tuple(uri for uri in failed_uris if uri.endswith("/"))
         gone = [
             state
             for doc_id, state in plan.state.items()
-            if doc_id not in seen and _file_uri(state.uri) not in failed_uris
+            if doc_id not in seen
+            and _file_uri(state.uri) not in failed_uris
+            and not _file_uri(state.uri).startswith(folders)
         ]
         self._guard_deletes(plan.spec, len(gone), len(plan.state), allow_mass_delete)
         self.store.delete_documents([state.doc_id for state in gone])

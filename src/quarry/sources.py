@@ -784,6 +784,14 @@ class Listing:
         """The uris of the files the source holds (those with no problem)."""
         return {f"{self.spec.name}/{f.rel}" for f in self.found if f.problem is None}
 
+    def still_there(self) -> tuple[set[str], tuple[str, ...]]:
+        """What may still exist: the uris of every file found (readable or not), and
+        the uri prefixes of the folders that could not be listed (anything under them)."""
+        name = self.spec.name
+        found = {f"{name}/{f.rel}" for f in self.found}
+        unlisted = tuple(uri for uri in found if uri.endswith("/"))
+        return found, unlisted
+
 
 def list_source(spec: SourceSpec) -> Listing:
     """Walk ``spec`` once: its candidate files in order, with any reason to skip one."""
