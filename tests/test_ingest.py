@@ -49,6 +49,7 @@ class Harness:
         url: str | None = None,
         transport: httpx2.BaseTransport | None = None,
         source: Path | None = None,
+        chunker: Chunker | None = None,
         **kwargs: object,
     ) -> IngestReport:
         store = VectorStore(open_client(self.settings), "test")
@@ -56,7 +57,7 @@ class Harness:
         sync = IndexSync(
             store,
             embedder,
-            Chunker(64, 8),
+            chunker or Chunker(64, 8),
             max_delete_fraction=0.3,
             allow_serving_change=bool(kwargs.pop("allow_serving_change", False)),
             trust_file_stamps=bool(kwargs.pop("trust_file_stamps", True)),
@@ -197,6 +198,23 @@ def test_a_folder_that_cannot_be_listed_keeps_its_documents(
     assert "cannot list directory" in report.failures[0].error
     assert report.documents_deleted == 0
     assert harness.points().keys() == before.keys()
+
+
+def test_new_chunk_settings_on_one_file_leave_the_rest_to_be_rechunked(
+    harness: Harness,
+) -> None:
+    harness.run()
+    smaller = Chunker(32, 4)
+    one = harness.run(source=harness.root / "alpha.md", chunker=smaller)
+    assert one.documents_embedded == 1
+    assert "every document this run syncs is re-chunked" in " ".join(one.notes)
+    # The other three documents still have 64-token chunks: the next full sync re-chunks
+    # (points do not say which settings made them, so alpha.md is redone too).
+    rest = harness.run(chunker=smaller)
+    assert (rest.documents_embedded, rest.documents_skipped) == (4, 0)
+    # Now every document has been: the settings are recorded and nothing is left to do.
+    again = harness.run(chunker=smaller)
+    assert (again.documents_embedded, again.notes) == (0, [])
 
 
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:

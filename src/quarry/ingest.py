@@ -150,6 +150,8 @@ class IndexSync:
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
         self._planned_documents: set[str] = set()
+        # Documents this run wrote: with new chunk settings, they are re-chunked.
+        self._rewritten: set[str] = set()
         # The canary of an existing collection is checked before the first embedding.
         self._canary_lock = threading.Lock()
         self._stored: Fingerprint | None = None
@@ -194,7 +196,8 @@ class IndexSync:
             self.rechunk_all = True
             report.notes.append(
                 f"chunking settings changed ({recorded} -> {self.chunker.settings}): "
-                "every document is re-chunked and re-embedded in this run"
+                "every document this run syncs is re-chunked and re-embedded; the new "
+                "settings are recorded once every document of the collection has been"
             )
         self.fingerprint = claimed
         return claimed
@@ -355,6 +358,7 @@ class IndexSync:
                 continue
             result.documents_embedded += 1
             result.chunks_embedded += count
+            self._rewritten.add(document.doc_id)
         return result
 
     def _may_have_points(self, document: Document) -> bool:
@@ -498,7 +502,13 @@ class IndexSync:
     def finish(self, report: IngestReport) -> None:
         """Record run-wide facts: request count, and the chunking settings now in force."""
         report.embedding_requests = self.embedder.requests_sent - self._requests_at_start
-        if self.rechunk_all and report.documents_failed == 0:
+        # A sync of one file or one source leaves the collection's other documents
+        # chunked the old way: the settings change is recorded only when none is left.
+        if (
+            self.rechunk_all
+            and report.documents_failed == 0
+            and self.store.index_state().keys() <= self._rewritten
+        ):
             self.store.update_metadata({META_CHUNKING: dict(self.chunker.settings)})
 
 
