@@ -27,7 +27,7 @@ from quarry.config import Settings, get_settings
 from quarry.documents import Document
 from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
 from quarry.services import open_services
-from quarry.sources import DEFAULT_EXCLUDE, open_source
+from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source
 
 
 # No Prefect retries: the clients own retries of transient failures, and a
@@ -101,6 +101,19 @@ def one_writer(settings: Settings, collection: str) -> Iterator[None]:
         lock.release()
 
 
+def source_specs(
+    paths: list[str], include: list[str] | None, exclude: list[str] | None
+) -> list[SourceSpec]:
+    """Open each path as a source with the given globs; ``exclude`` adds to the default
+    skips (.git, node_modules, .venv, ...) instead of replacing them."""
+    globs: dict[str, Any] = {}
+    if include:
+        globs["include"] = tuple(include)
+    if exclude:
+        globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
+    return [open_source(path, **globs) for path in paths]
+
+
 @flow(name="quarry-ingest", log_prints=False)
 def ingest_flow(
     sources: list[str],
@@ -129,12 +142,7 @@ def ingest_flow(
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     started = time.monotonic()
-    globs: dict[str, Any] = {}
-    if include:
-        globs["include"] = tuple(include)
-    if exclude:  # on top of the defaults (.git, node_modules, .venv, ...), not instead
-        globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
-    specs = [open_source(path, **globs) for path in sources]
+    specs = source_specs(sources, include, exclude)
     with one_writer(settings, settings.collection), open_services(settings) as services:
         sync = IndexSync(
             services.store,

@@ -13,14 +13,13 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.ingest import one_writer
+from flows.ingest import one_writer, source_specs
 from quarry.chunking import Chunker
 from quarry.config import get_settings
 from quarry.errors import Refused
 from quarry.ingest import IndexSync
 from quarry.reindex import reindex
 from quarry.services import open_services
-from quarry.sources import open_source
 from quarry.store import VectorStore
 
 
@@ -30,6 +29,9 @@ def reindex_flow(
     from_source: list[str] | None = None,
     eval_dataset: str | None = None,
     min_ndcg: float | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    allow_mass_delete: bool = False,
 ) -> dict[str, Any]:
     """Rebuild ``collection`` with the live embedding model and switch its alias to it.
 
@@ -38,28 +40,17 @@ def reindex_flow(
         from_source: Re-read and re-chunk these paths instead of re-embedding stored chunks.
         eval_dataset: A BEIR-layout folder; evaluate the live model on it before switching.
         min_ndcg: With ``eval_dataset``: refuse to switch when nDCG@10 is below this.
+        include: With ``from_source``: globs of files to index, as at ingest.
+        exclude: With ``from_source``: globs of files to skip, besides the default ones.
+        allow_mass_delete: Switch even when the new collection lacks more than
+            ``QUARRY_MAX_DELETE_FRACTION`` of the documents the alias serves.
 
     Returns:
         The reindex report (``ReindexReport.to_dict()``).
     """
     logger = get_run_logger()
     settings = get_settings(collection=collection)
-    specs = [open_source(path) for path in from_source or []]
-
-    def gate() -> dict[str, Any]:
-        from quarry.evaluate import run_evaluation
-
-        assert eval_dataset is not None
-        result = run_evaluation(eval_dataset, settings=settings, rerank=False)
-        ndcg = float(result["ndcg@10"])
-        logger.info("evaluation on %s: nDCG@10 %.4f", eval_dataset, ndcg)
-        if min_ndcg is not None and ndcg < min_ndcg:
-            raise Refused(
-                f"nDCG@10 {ndcg:.4f} on {eval_dataset} is below --min-ndcg {min_ndcg}; "
-                "the alias was not switched (the new collection is kept for inspection; "
-                "`quarry prune` removes it)"
-            )
-        return result
+    specs = source_specs(from_source or [], include, exclude)
 
     with one_writer(settings, settings.collection), open_services(settings) as services:
 
@@ -74,14 +65,36 @@ def reindex_flow(
                 canary_min_cosine=settings.canary_min_cosine,
             )
 
+        def gate() -> dict[str, Any]:
+            from quarry.evaluate import run_evaluation
+
+            assert eval_dataset is not None
+            # On these services: local-mode Qdrant admits one client per process.
+            result = run_evaluation(
+                eval_dataset, settings=settings, rerank=False, services=services
+            )
+            ndcg = float(result["ndcg@10"])
+            logger.info("evaluation on %s: nDCG@10 %.4f", eval_dataset, ndcg)
+            if min_ndcg is not None and ndcg < min_ndcg:
+                raise Refused(
+                    f"nDCG@10 {ndcg:.4f} on {eval_dataset} is below --min-ndcg {min_ndcg}; "
+                    "the alias was not switched (the new collection is kept for inspection; "
+                    "`quarry prune` removes it)"
+                )
+            return result
+
         report = reindex(
             services.store,
             make_sync,
             from_source=specs,
             max_file_bytes=settings.max_file_bytes,
+            max_delete_fraction=settings.max_delete_fraction,
+            allow_mass_delete=allow_mass_delete,
             gate=gate if eval_dataset else None,
             progress=logger.info,
         )
+    for note in report.notes:
+        logger.warning(note)
     create_markdown_artifact(
         markdown=(
             f"# Reindex of `{report.alias}`\n\n"

@@ -75,3 +75,22 @@ def test_flow_publishes_a_markdown_artifact(
     artifact = Artifact.get("ingest-artifacts")
     assert artifact is not None
     assert "| 1 | 0 | 1 | 0 | 0 |" in str(artifact.data)
+
+
+def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
+    tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.ingest import ingest_flow
+    from flows.reindex import reindex_flow
+    from quarry.errors import Refused
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    tiny = Path(__file__).parent / "data" / "beir_tiny"
+    corpus = write_corpus(tmp_path / "kb", {f"d{i}.md": f"Topic {i}. " * 30 for i in range(4)})
+    ingest_flow(sources=[str(corpus)], collection="gated")
+    # The evaluation runs on the flow's own clients: local-mode Qdrant admits one per process.
+    passed = reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=0.0)
+    assert passed["switched"] is True
+    assert passed["evaluation"]["dataset"] == "beir_tiny"
+    with pytest.raises(Refused, match="below --min-ndcg"):
+        reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.01)

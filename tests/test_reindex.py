@@ -12,14 +12,20 @@ from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import FingerprintMismatch, Refused, ServingChanged
+from quarry.errors import (
+    FingerprintMismatch,
+    MassDeleteRefused,
+    Refused,
+    ServingChanged,
+    StoreError,
+)
 from quarry.ingest import IndexSync, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.parity import accept, measure_parity
-from quarry.reindex import prune, reindex, rollback
+from quarry.reindex import INTERRUPTED_WRITE, prune, reindex, rollback
 from quarry.search import Searcher
 from quarry.sources import open_source
-from quarry.store import VectorStore, open_client
+from quarry.store import META_CHUNKING, VectorStore, open_client
 from tests.conftest import write_corpus
 
 CORPUS = {
@@ -161,3 +167,96 @@ def test_parity_refuses_another_model_and_accept_refuses_a_failure(
     report.passed = False
     with pytest.raises(Refused):
         accept(index.store, report)
+
+
+def test_reindex_from_only_some_sources_is_not_switched_to(
+    index: Index, tmp_path: Path, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    other = write_corpus(tmp_path / "other", {"x.md": "Another source entirely. " * 20})
+    index.ingest(old_model.url)
+    run_sync(index.sync(old_model.url), [open_source(other)])
+    served = index.store.alias_target()
+    with pytest.raises(MassDeleteRefused, match=r"lacks 8 of the 9 documents") as caught:
+        reindex(
+            index.store,
+            lambda store: index.sync(new_model.url, store),
+            from_source=[open_source(other)],
+        )
+    assert "corpus" in str(caught.value)  # names the source left out
+    assert index.store.alias_target() == served
+    report = reindex(
+        index.store,
+        lambda store: index.sync(new_model.url, store),
+        from_source=[open_source(other)],
+        allow_mass_delete=True,
+    )
+    assert report.switched and report.documents == 1
+
+
+def test_a_half_written_document_is_carried_for_the_next_ingest_to_mend(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    from qdrant_client import models
+
+    index.ingest(old_model.url)
+    # An ingest killed while rewriting topic5.md: its first chunk is of a newer version.
+    victim = index.store.index_state()
+    doc_id = next(d for d, state in victim.items() if state.uri.endswith("topic5.md"))
+    first = models.Filter(
+        must=[
+            models.FieldCondition(key="doc_id", match=models.MatchValue(value=doc_id)),
+            models.FieldCondition(key="chunk_index", match=models.MatchValue(value=0)),
+        ]
+    )
+    index.store.client.set_payload(
+        index.store.resolve() or "", {"doc_hash": "newer", "chunk_count": 1}, first
+    )
+    report = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert report.switched
+    assert any("half-written" in note and "topic5.md" in note for note in report.notes)
+    state = index.store.index_state()[doc_id]
+    assert state.hashes == {INTERRUPTED_WRITE}
+    # The next ingest reads the file again (its stamp no longer vouches) and mends it.
+    again = run_sync(index.sync(new_model.url), [open_source(index.corpus)])
+    assert again.documents_embedded == 1
+    assert index.store.index_state()[doc_id].hashes != {INTERRUPTED_WRITE}
+
+
+def test_reindex_of_stored_chunks_keeps_the_chunking_that_made_them(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)  # 64-token chunks
+    recorded = index.store.metadata()[META_CHUNKING]
+
+    def smaller(store: VectorStore) -> IndexSync:
+        return IndexSync(store, index.embedder(new_model.url), Chunker(32, 4))
+
+    reindex(index.store, smaller)
+    assert index.store.metadata()[META_CHUNKING] == recorded
+    report = run_sync(smaller(index.store), [open_source(index.corpus)])
+    assert report.documents_embedded == len(CORPUS)  # re-chunked at 32 now
+
+
+def test_prune_keeps_the_rollback_target_and_other_aliases_collections(
+    index: Index, tmp_path: Path, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    original = index.store.alias_target()
+    # A never-served build newer than the original (a reindex killed half way).
+    fingerprint = index.store.fingerprint()
+    assert fingerprint is not None
+    index.store.create_physical(fingerprint, {})
+    # Another alias whose name starts with this one's.
+    archive = VectorStore(index.store.client, "kb__archive")
+    run_sync(
+        IndexSync(archive, index.embedder(old_model.url), Chunker(64, 8)),
+        [open_source(index.corpus)],
+    )
+    assert all(not info.name.startswith("kb__archive") for info in index.store.collections())
+    report = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    dropped = prune(index.store, keep=2)
+    assert len(dropped) == 1 and dropped[0] not in (original, report.collection)
+    assert archive.count() > 0  # the other alias's collection is untouched
+    assert rollback(index.store) == (report.collection, original)
+    with pytest.raises(StoreError, match="not built by a reindex"):
+        rollback(index.store)

@@ -386,6 +386,21 @@ def reindex(
     min_ndcg: Annotated[
         float | None, typer.Option(help="Refuse to switch below this nDCG@10.")
     ] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option("--include", help="With --from-source: glob of files to index (repeatable)."),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--exclude", help="With --from-source: glob of files to skip (repeatable)."),
+    ] = None,
+    allow_mass_delete: Annotated[
+        bool,
+        typer.Option(
+            help="Switch even if the new collection lacks more than "
+            "QUARRY_MAX_DELETE_FRACTION of the served documents."
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Rebuild the collection with the live model beside the old one, then switch the alias."""
@@ -395,6 +410,8 @@ def reindex(
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
     if min_ndcg is not None and eval_dir is None:
         _fail("--min-ndcg needs --eval DATASET", EXIT_USAGE)
+    if (include or exclude) and not from_source:
+        _fail("--include and --exclude need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
         _preflight(settings)
     from flows import configure_prefect_environment, quiet_quarry_tracebacks
@@ -409,6 +426,9 @@ def reindex(
             from_source=[str(p) for p in from_source] if from_source else None,
             eval_dataset=str(eval_dir) if eval_dir else None,
             min_ndcg=min_ndcg,
+            include=include,
+            exclude=exclude,
+            allow_mass_delete=allow_mass_delete,
         )
 
     def human() -> None:
@@ -417,6 +437,8 @@ def reindex(
             f"({report['documents']} documents, {report['points']} points, "
             f"{report['model']['model_id']})"
         )
+        for note in report.get("notes", []):
+            typer.echo(f"note: {note}", err=True)
 
     _emit(as_json, report, human)
 

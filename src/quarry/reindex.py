@@ -10,20 +10,23 @@ kept for :func:`rollback` until pruned.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from qdrant_client import models
 
 from quarry.documents import Chunk, Document
-from quarry.errors import Refused, StoreError
+from quarry.errors import MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
 from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.sources import SourceSpec
-from quarry.store import CollectionInfo, VectorStore
+from quarry.store import META_CHUNKING, CollectionInfo, VectorStore
 
 META_PREVIOUS = "quarry_previous"
+# The hash a document gets when its points disagree (an ingest was killed while it
+# wrote them): no content hash equals it, so the next sync reads the file again.
+INTERRUPTED_WRITE = "interrupted-write"
 VERIFY_SAMPLE = 16
 REINDEX_DOCUMENTS_PER_BATCH = 64
 
@@ -43,6 +46,7 @@ class ReindexReport:
     evaluation: dict[str, Any] | None = None
     switched: bool = False
     failures: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -58,16 +62,23 @@ class ReindexReport:
             "evaluation": self.evaluation,
             "switched": self.switched,
             "failures": self.failures,
+            "notes": self.notes,
         }
 
 
 def stored_documents(
-    store: VectorStore, batch: int = REINDEX_DOCUMENTS_PER_BATCH
+    store: VectorStore,
+    batch: int = REINDEX_DOCUMENTS_PER_BATCH,
+    interrupted: list[str] | None = None,
 ) -> Iterator[list[tuple[Document, list[Chunk]]]]:
     """The documents in the alias's collection rebuilt from their points, in batches.
 
     The stored chunk texts are re-used as they are: a reindex re-embeds, it
-    does not re-chunk (``--from-source`` does both).
+    does not re-chunk (``--from-source`` does both). A document whose points
+    disagree (several hashes or chunk counts, or a gap: an ingest was killed
+    while writing it) is carried as it is, under the hash INTERRUPTED_WRITE and
+    without a complete file stamp, so the next sync reads and mends it instead of
+    taking it for current; its uri is appended to ``interrupted``.
     """
     doc_ids = sorted(store.index_state())
     for start in range(0, len(doc_ids), batch):
@@ -87,13 +98,21 @@ def stored_documents(
             if not payloads:
                 continue
             first = payloads[0]
+            metadata = dict(first.get("metadata") or {})
+            doc_hash = str(first["doc_hash"])
+            if not _consistent(payloads):
+                doc_hash = INTERRUPTED_WRITE
+                # Without loaded_at the stamp is incomplete and vouches for nothing.
+                metadata.pop("loaded_at", None)
+                if interrupted is not None:
+                    interrupted.append(str(first["uri"]))
             document = Document(
                 doc_id=doc_id,
                 uri=str(first["uri"]),
                 text="",
                 title=str(first.get("title", "")),
-                metadata=dict(first.get("metadata") or {}),
-                doc_hash=str(first["doc_hash"]),
+                metadata=metadata,
+                doc_hash=doc_hash,
             )
             chunks = [
                 Chunk(
@@ -109,6 +128,14 @@ def stored_documents(
             ]
             group.append((document, chunks))
         yield group
+
+
+def _consistent(payloads: Sequence[dict[str, Any]]) -> bool:
+    """Whether a document's points (sorted by chunk index) are one complete write."""
+    hashes = {p.get("doc_hash") for p in payloads}
+    counts = {p.get("chunk_count") for p in payloads}
+    indexes = [p.get("chunk_index") for p in payloads]
+    return len(hashes) == 1 and counts == {len(payloads)} and indexes == list(range(len(payloads)))
 
 
 def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[int, float]:
@@ -165,20 +192,30 @@ def reindex(
     *,
     from_source: Sequence[SourceSpec] = (),
     max_file_bytes: int = 20 * 1024 * 1024,
+    max_delete_fraction: float = 0.3,
+    allow_mass_delete: bool = False,
     gate: Callable[[], dict[str, Any]] | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> ReindexReport:
     """Rebuild the alias's collection with the live model and switch to it when it checks out.
 
     ``make_sync`` builds an IndexSync over a given store view. ``gate`` (an
-    evaluation) runs before the switch; it raises Refused to stop it.
+    evaluation) runs before the switch; it raises Refused to stop it. A new
+    collection that lacks more than ``max_delete_fraction`` of the documents the
+    alias serves (``--from-source`` given only some of the sources, or the
+    wrong globs) is not switched to unless ``allow_mass_delete``.
     """
     previous = store.alias_target()
     if previous is None and not from_source:
         raise StoreError(store.alias, "does not exist; nothing to reindex (use --from-source PATH)")
     probe = make_sync(store)
     live: Fingerprint = read_fingerprint(probe.embedder)
-    physical = store.create_physical(live, probe.chunker.settings)
+    chunking: Mapping[str, Any] = probe.chunker.settings
+    if not from_source and previous is not None:
+        # The stored chunks are re-embedded as they are: they keep the settings that
+        # made them, so a later sync with other settings still re-chunks them.
+        chunking = store.metadata(previous).get(META_CHUNKING) or chunking
+    physical = store.create_physical(live, chunking)
     target = store.view(physical)
     sync = make_sync(target)
     report = ReindexReport(
@@ -189,16 +226,23 @@ def reindex(
     )
     progress(f"building {physical} with {live.model.describe()}")
     ingest = IngestReport(collection=physical)
+    interrupted: list[str] = []
     if from_source:
         ingest = run_sync(sync, from_source, full_sync=True, max_file_bytes=max_file_bytes)
     else:
         sync.prepare(ingest)
-        for group in stored_documents(store):
+        for group in stored_documents(store, interrupted=interrupted):
             ingest.add(sync.write_chunked(group))
             progress(f"re-embedded {ingest.documents_embedded} documents")
     report.documents = ingest.documents_embedded
     report.points = ingest.chunks_embedded
     report.failures = [{"uri": f.uri, "error": f.error} for f in ingest.failures]
+    if interrupted:
+        report.notes.append(
+            f"{len(interrupted)} documents were left half-written by an interrupted ingest "
+            f"(first: {interrupted[0]}); they are carried as they were and the next "
+            "`quarry ingest` of their source reads them again"
+        )
     if ingest.failures:
         raise Refused(
             f"reindex into {physical}: {len(ingest.failures)} documents failed (first: "
@@ -206,6 +250,8 @@ def reindex(
             f"at {previous}. Fix the cause and run `quarry reindex` again."
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
+    if previous is not None and not allow_mass_delete:
+        _guard_lost_documents(store, target, max_delete_fraction)
     if gate is not None:
         report.evaluation = gate()
     target.update_metadata({META_PREVIOUS: previous})
@@ -215,17 +261,43 @@ def reindex(
     return report
 
 
+def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: float) -> None:
+    """Refuse a new collection that lacks too many of the documents the alias serves."""
+    served = store.index_state()
+    if not served:
+        return
+    kept = target.index_state().keys()
+    lost = [state for doc_id, state in served.items() if doc_id not in kept]
+    if len(lost) / len(served) <= fraction:
+        return
+    sources = sorted({state.uri.split("/", 1)[0] for state in lost})
+    raise MassDeleteRefused(
+        f"the new collection {target.resolve()} lacks {len(lost)} of the {len(served)} "
+        f"documents {store.alias!r} serves ({len(lost) / len(served):.0%} > "
+        f"QUARRY_MAX_DELETE_FRACTION={fraction:.0%}; sources: {', '.join(sources[:5])}). "
+        "Give --from-source every source, with the --include/--exclude globs they were "
+        "ingested with; or rerun with --allow-mass-delete if this is intended. The alias "
+        "was not switched; `quarry prune` removes the new collection."
+    )
+
+
 def rollback(store: VectorStore) -> tuple[str, str]:
     """Point the alias back at the collection it served before the last reindex."""
     current = store.alias_target()
     if current is None:
         raise StoreError(store.alias, "does not exist; nothing to roll back")
     previous = store.metadata(current).get(META_PREVIOUS)
-    names = {info.name for info in store.collections()}
-    if not previous or previous not in names:
+    if not previous:
         raise StoreError(
             store.alias,
-            f"{current} records no previous collection that still exists (pruned?); "
+            f"{current} was not built by a reindex over another collection (or was "
+            "rolled back to already); nothing to roll back to",
+        )
+    names = {info.name for info in store.collections()}
+    if previous not in names:
+        raise StoreError(
+            store.alias,
+            f"{current} was built over {previous}, which no longer exists (pruned); "
             "nothing to roll back to",
         )
     store.point_alias(str(previous))
@@ -233,17 +305,22 @@ def rollback(store: VectorStore) -> tuple[str, str]:
 
 
 def prune(store: VectorStore, keep: int) -> list[str]:
-    """Delete this alias's older physical collections, keeping the ``keep`` newest and
-    always the one the alias serves. Returns the names deleted."""
+    """Delete this alias's older physical collections; returns the names deleted.
+
+    Kept: the one the alias serves, then the one it would roll back to, then the
+    newest others, ``keep`` in all (the served one always).
+    """
     if keep < 1:
         raise ValueError("--keep must be at least 1")
     current = store.alias_target()
-    collections: list[CollectionInfo] = store.collections()
-    kept = 0
+    collections: list[CollectionInfo] = store.collections()  # newest first
+    rollback_to = store.metadata(current).get(META_PREVIOUS) if current else None
+    ranked = sorted(
+        collections, key=lambda info: (info.name != current, info.name != rollback_to)
+    )  # stable: the rest stay newest first
     dropped: list[str] = []
-    for info in collections:  # newest first
-        if info.name == current or kept < keep:
-            kept += 1
+    for rank, info in enumerate(ranked):
+        if rank < keep or info.name == current:
             continue
         store.drop(info.name)
         dropped.append(info.name)

@@ -7,6 +7,7 @@ new one beside it and switches the alias atomically.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -236,14 +237,20 @@ class VectorStore:
         return Fingerprint.from_metadata(data) if data else None
 
     def collections(self) -> list[CollectionInfo]:
-        """Every physical collection that belongs to this alias, newest first."""
+        """Every physical collection that belongs to this alias, newest first.
+
+        Those named as :func:`physical_name` names them for this alias exactly (an
+        alias ``team__archive`` is another alias's, not ``team``'s), and any the
+        alias points at.
+        """
+        own = re.compile(re.escape(self.alias) + r"__[0-9a-f]+__\d{14}")
         aliases: dict[str, list[str]] = {}
         for alias in self.client.get_aliases().aliases:
             aliases.setdefault(alias.collection_name, []).append(alias.alias_name)
         found: list[CollectionInfo] = []
         for description in self.client.get_collections().collections:
             name = description.name
-            if not name.startswith(f"{self.alias}__") and self.alias not in aliases.get(name, []):
+            if not own.fullmatch(name) and self.alias not in aliases.get(name, []):
                 continue
             found.append(
                 CollectionInfo(
