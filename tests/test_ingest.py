@@ -217,6 +217,26 @@ def test_new_chunk_settings_on_one_file_leave_the_rest_to_be_rechunked(
     assert (again.documents_embedded, again.notes) == (0, [])
 
 
+def test_an_emptied_file_synced_alone_loses_its_documents_without_a_refusal(
+    harness: Harness,
+) -> None:
+    harness.run()
+    (harness.root / "alpha.md").write_text("")
+    # 1 of 1 documents of that one-file source: the file was named, so no mass-delete guard.
+    report = harness.run(source=harness.root / "alpha.md")
+    assert report.documents_deleted == 1
+    uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
+    assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
+
+
+def test_a_service_error_names_each_document_once() -> None:
+    from quarry.errors import ServiceUnavailable
+
+    error = ServiceUnavailable("http://tei/embed", "down", documents=["a.md", "a.md", "b.md"])
+    assert error.documents == ("a.md", "b.md")
+    assert str(error).endswith("(documents: a.md, b.md)")
+
+
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:
     harness.run()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:

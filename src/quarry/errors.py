@@ -68,7 +68,7 @@ class ServiceError(QuarryError):
     ) -> None:
         self.url = url
         self.status = status
-        self.documents = tuple(documents)
+        self.documents = tuple(dict.fromkeys(documents))  # one per document, not per chunk
         text = f"{url}: {message}"
         if self.documents:
             shown = ", ".join(self.documents[:5])

@@ -253,7 +253,7 @@ class IndexSync:
         if full_sync and files:
             found, unlisted = listing.still_there()
             gone = sum(1 for uri in files if uri not in found and not uri.startswith(unlisted))
-            self._guard_deletes(spec, gone, len(files), allow_mass_delete)
+            self._guard_deletes(spec, gone, len(files), allow_mass_delete, unit="files")
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
     def plan_documents(self, source: str) -> dict[str, DocState]:
@@ -486,14 +486,21 @@ class IndexSync:
         return len(gone), sum(state.points for state in gone)
 
     def _guard_deletes(
-        self, spec: SourceSpec, deleting: int, existing: int, allow_mass_delete: bool
+        self,
+        spec: SourceSpec,
+        deleting: int,
+        existing: int,
+        allow_mass_delete: bool,
+        *,
+        unit: str = "documents",
     ) -> None:
-        if allow_mass_delete or existing == 0 or deleting == 0:
+        # A one-file source names the file: its documents going is what was asked for.
+        if allow_mass_delete or existing == 0 or deleting == 0 or spec.file is not None:
             return
         fraction = deleting / existing
         if fraction > self.max_delete_fraction:
             raise MassDeleteRefused(
-                f"syncing {spec.root} would delete {deleting} of the {existing} documents "
+                f"syncing {spec.root} would delete {deleting} of the {existing} {unit} "
                 f"indexed from source {spec.name!r} ({fraction:.0%} > "
                 f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
                 "mounted and the glob right? Rerun with --allow-mass-delete if this is intended."
