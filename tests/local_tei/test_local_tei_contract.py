@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from local_tei_support import HASH_CONFIG, StartServer, TEISchemas, http_client
 
-from quarry.local_tei import LocalTEIServer
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 
 MAX_LEN = HASH_CONFIG.effective_max_input_length
 MAX_BATCH = HASH_CONFIG.max_client_batch_size
@@ -163,6 +163,10 @@ def test_prompt_name_without_prompts_is_refused(client: httpx2.Client) -> None:
     response = client.post("/embed", json={"inputs": "q", "prompt_name": "query"})
     assert response.status_code == 422
     assert "no prompts were found" in response.json()["error"]
+    # An empty input is refused as empty first, as TEI's tokenizer does.
+    for path in ("/embed", "/tokenize"):
+        empty = client.post(path, json={"inputs": "", "prompt_name": "query"})
+        assert (empty.status_code, empty.json()["error_type"]) == (400, "Empty")
 
 
 # --------------------------------------------------------------------------- /v1/embeddings
@@ -360,10 +364,77 @@ def test_missing_json_content_type_is_415(client: httpx2.Client) -> None:
     assert response.text == "Expected request with `Content-Type: application/json`"
 
 
-def test_unknown_route_is_an_empty_404(client: httpx2.Client) -> None:
-    response = client.post("/embed_sparse", json={"inputs": "a"})
-    assert response.status_code == 404
-    assert response.content == b""
+def test_unknown_route_is_an_empty_404_and_a_trailing_slash_is_not_redirected(
+    client: httpx2.Client,
+) -> None:
+    for path in ("/nowhere", "/embed/"):
+        response = client.post(path, json={"inputs": "a"})
+        assert response.status_code == 404, path
+        assert response.content == b""
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/embed_sparse", "Model is not an embedding model with SPLADE pooling"),
+        ("/predict", "Model is not a classifier model"),
+    ],
+)
+def test_routes_of_other_model_kinds_are_424(
+    client: httpx2.Client, path: str, message: str
+) -> None:
+    response = client.post(path, json={"inputs": "a"})
+    assert response.status_code == 424
+    assert response.json() == {
+        "error": message,
+        "error_type": "Backend",
+    }
+
+
+def test_timing_headers_are_teis(client: httpx2.Client) -> None:
+    response = client.post("/embed", json={"inputs": "hello world"})
+    assert response.headers["x-compute-type"] == "gpu+optimized"
+    for name in ("time", "characters", "tokens"):
+        assert response.headers[f"x-compute-{name}"].isdigit()
+    for name in ("total", "tokenization", "queue", "inference"):
+        assert response.headers[f"x-{name}-time"].isdigit()
+
+
+def test_public_routes_answer_head_and_cors_without_the_key(start_server: StartServer) -> None:
+    server = start_server(api_key="s3cret")
+    with http_client(server.url) as http:
+        assert http.head("/health").status_code == 200
+        # Outside the key layer, a wrong method is the router's 405, not a 401.
+        assert http.post("/health").status_code == 405
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert "te_request_success" in metrics.text
+        preflight = http.options(
+            "/embed",
+            headers={"Origin": "http://app", "Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "*"
+
+
+def test_auto_truncate_cuts_what_truncate_leaves_unset(start_server: StartServer) -> None:
+    server = start_server(auto_truncate=True, max_input_length=16)
+    with http_client(server.url) as http:
+        assert http.get("/info").json()["auto_truncate"] is True
+        cut = http.post("/embed", json={"inputs": _words(40)})
+        assert cut.status_code == 200
+        assert cut.headers["x-compute-tokens"] == "16"
+        refused = http.post("/embed", json={"inputs": _words(40), "truncate": False})
+        assert refused.status_code == 422
+        openai = http.post("/v1/embeddings", json={"input": _words(40), "model": "m"})
+        assert openai.status_code == 200
+    # As TEI, a max_batch_tokens under the input limit lowers the limit instead of failing.
+    assert (
+        LocalTEIConfig(
+            backend="hash", auto_truncate=True, max_batch_tokens=100
+        ).effective_max_input_length
+        == 100
+    )
 
 
 def test_api_key_is_required_except_on_health(start_server: StartServer) -> None:

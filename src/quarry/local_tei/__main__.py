@@ -31,6 +31,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-version", default=defaults.engine_version)
     p.add_argument("--api-key", default=None)
     p.add_argument("--rerank-dialect", choices=["tei", "cohere"], default="tei")
+    p.add_argument(
+        "--auto-truncate",
+        choices=["true", "false"],
+        default="false",
+        help="cut over-long inputs instead of refusing them (TEI's own default is true; "
+        "quarry's stack runs TEI with false, as this does by default)",
+    )
     return p
 
 
@@ -56,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             engine_version=args.engine_version,
             api_key=args.api_key,
             rerank_dialect=args.rerank_dialect,
+            auto_truncate=args.auto_truncate == "true",
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._backends import Backend, EmbedJob, Encoded, PairJob, make_backend
@@ -46,9 +47,8 @@ __all__ = ["create_app"]
 T = TypeVar("T")
 
 # Routes TEI serves without the API key (its "public" router).
-_PUBLIC: Final = frozenset(
-    {("GET", "/health"), ("GET", "/"), ("GET", "/ping"), ("GET", "/metrics")}
-)
+# Routes outside TEI's API-key layer, whatever the method (a wrong one is a 405 there).
+_PUBLIC: Final = frozenset({"/health", "/ping", "/metrics"})
 _JSON: Final = "application/json"
 
 
@@ -81,11 +81,14 @@ def create_app(config: LocalTEIConfig, *, stats: ServerStats | None = None) -> F
         openapi_url=None,
         lifespan=lifespan,
     )
+    app.router.redirect_slashes = False  # axum answers /embed/ with a 404, not a redirect
     app.state.stats = stats
     app.state.config = config
+    # axum's get() answers HEAD too, without the body.
     for path in ("/health", "/", "/ping"):
-        app.add_api_route(path, service.health, methods=["GET"])
-    app.add_api_route("/info", service.info, methods=["GET"])
+        app.add_api_route(path, service.health, methods=["GET", "HEAD"])
+    app.add_api_route("/info", service.info, methods=["GET", "HEAD"])
+    app.add_api_route("/metrics", service.metrics, methods=["GET", "HEAD"])
     for path in ("/embed", "/", "/invocations"):
         app.add_api_route(path, service.embed, methods=["POST"])
     for path in ("/v1/embeddings", "/embeddings"):
@@ -94,8 +97,18 @@ def create_app(config: LocalTEIConfig, *, stats: ServerStats | None = None) -> F
     app.add_api_route("/rerank", service.rerank, methods=["POST"])
     if config.rerank_dialect == "cohere":
         app.add_api_route("/v1/rerank", service.rerank, methods=["POST"])
+    # What an embedding model's TEI answers on the routes of other model kinds.
+    app.add_api_route("/embed_sparse", service.not_sparse, methods=["POST"])
+    app.add_api_route("/predict", service.not_classifier, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _bare_http_error)
     app.add_middleware(_Gate, stats=stats, api_key=config.api_key)
+    # TEI's default CORS layer (no --cors-allow-origin): any origin, GET and POST.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=["*"],
+        allow_methods=["GET", "POST"],
+        allow_headers=["content-type"],
+    )
     return app
 
 
@@ -120,7 +133,8 @@ class _Gate:
         method: str = scope["method"]
         path: str = scope["path"]
         self._stats.record_request(method, path)
-        if self._expected is not None and (method, path) not in _PUBLIC:
+        public = path in _PUBLIC or (path == "/" and method in ("GET", "HEAD"))
+        if self._expected is not None and not public:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if given != self._expected:
                 self._stats.record_response(401)
@@ -204,13 +218,18 @@ def _finish(
 
 def _timing_headers(start: float, chars: int, tokens: int, done: Sequence[Done]) -> dict[str, str]:
     n = max(1, len(done))
+    total_ms = int((time.perf_counter() - start) * 1e3)
+    queue_ms = int(sum(d.queue_s for d in done) / n * 1e3)
+    inference_ms = int(sum(d.inference_s for d in done) / n * 1e3)
     return {
-        "x-compute-type": "cpu",
+        "x-compute-type": "gpu+optimized",  # what TEI 1.9.3 sends, whatever the device
+        "x-compute-time": str(total_ms),
         "x-compute-characters": str(chars),
         "x-compute-tokens": str(tokens),
-        "x-total-time": str(int((time.perf_counter() - start) * 1e3)),
-        "x-queue-time": str(int(sum(d.queue_s for d in done) / n * 1e3)),
-        "x-inference-time": str(int(sum(d.inference_s for d in done) / n * 1e3)),
+        "x-total-time": str(total_ms),
+        "x-tokenization-time": str(max(0, total_ms - queue_ms - inference_ms)),
+        "x-queue-time": str(queue_ms),
+        "x-inference-time": str(inference_ms),
     }
 
 
@@ -266,6 +285,10 @@ class _Service:
             raise BodyRejected(413, PAYLOAD_TOO_LARGE_TEXT)
         return parse_body(b"".join(chunks), struct)
 
+    def _truncation(self, asked: bool | None) -> bool:
+        # TEI: req.truncate.unwrap_or(info.auto_truncate)
+        return self.config.auto_truncate if asked is None else bool(asked)
+
     def _fault(self) -> TEIError | None:
         rate = self.config.fault_rate
         if rate <= 0 or self._rng.random() >= rate:
@@ -311,7 +334,8 @@ class _Service:
         """Tokenize and validate each input as TEI's tokenization workers do."""
         prompt_error = self._prompt_error(prompt_name)
         if prompt_error is not None:
-            return [prompt_error] * len(items)
+            # TEI refuses an empty input before it looks at the prompt.
+            return [empty_input() if not item else prompt_error for item in items]
         out: list[Encoded | TEIError | None] = [None] * len(items)
         text_slots: list[int] = []
         texts: list[str] = []
@@ -465,7 +489,7 @@ class _Service:
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_batch_requests": None,
                 "max_client_batch_size": config.max_client_batch_size,
-                "auto_truncate": False,
+                "auto_truncate": config.auto_truncate,
                 "tokenization_workers": 1,
                 "version": config.engine_version,
                 "sha": None,
@@ -485,6 +509,33 @@ class _Service:
         """``GET /info``: TEI's ``Info``, plus the name of the rerank stand-in."""
         return _json(await self._get_info())
 
+    async def metrics(self) -> Response:
+        """``GET /metrics``: a few of TEI's Prometheus counters, from the service's stats."""
+        stats = self.stats.snapshot()
+        successes = sum(n for status, n in self.stats.responses.items() if status < 400)
+        failures = sum(n for status, n in self.stats.responses.items() if status >= 400)
+        lines = [
+            "# TYPE te_request_success counter",
+            f'te_request_success{{method="all"}} {successes}',
+            "# TYPE te_request_failure counter",
+            f'te_request_failure{{err="all"}} {failures}',
+            "# TYPE te_embed_count counter",
+            f"te_embed_count {stats['inputs_embedded']}",
+            "# TYPE te_batch_next_size counter",
+            f"te_batch_next_size {stats['steps']}",
+            "# TYPE te_batch_next_tokens counter",
+            f"te_batch_next_tokens {stats['tokens_processed']}",
+        ]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; charset=utf-8")
+
+    async def not_sparse(self) -> Response:
+        """``POST /embed_sparse``: a dense embedding model has no sparse output (424)."""
+        return _error(TEIError("Backend", "Model is not an embedding model with SPLADE pooling"))
+
+    async def not_classifier(self) -> Response:
+        """``POST /predict``: an embedding model is not a classifier (424)."""
+        return _error(TEIError("Backend", "Model is not a classifier model"))
+
     async def embed(self, request: Request) -> Response:
         """``POST /embed``."""
         start = time.perf_counter()
@@ -499,7 +550,7 @@ class _Service:
         try:
             vectors, tokens, done = await self._embed(
                 inputs,
-                truncate=bool(req["truncate"]),
+                truncate=self._truncation(req["truncate"]),
                 direction=req["truncation_direction"],
                 prompt_name=req["prompt_name"],
                 normalize=req["normalize"],
@@ -524,7 +575,7 @@ class _Service:
         try:
             vectors, tokens, done = await self._embed(
                 inputs,
-                truncate=False,  # TEI applies --auto-truncate here, which is off
+                truncate=self.config.auto_truncate,  # no per-request choice here
                 direction="right",
                 prompt_name=None,
                 normalize=True,
@@ -583,10 +634,10 @@ class _Service:
         out = []
         for item in items:
             assert isinstance(item, str)
-            if prompt_error is not None:
-                raise prompt_error
             if not item:
                 raise empty_input()
+            if prompt_error is not None:
+                raise prompt_error
             if len(item) > self.char_limit:
                 raise validation(
                     f"`inputs` must have less than {self.char_limit} characters. Given: {len(item)}"
@@ -617,7 +668,7 @@ class _Service:
                     f"{self.config.max_client_batch_size}",
                 )
             scores, tokens, done = await self._rerank(
-                query, texts, bool(req["truncate"]), req["truncation_direction"]
+                query, texts, self._truncation(req["truncate"]), req["truncation_direction"]
             )
         except TEIError as exc:
             return _error(exc)

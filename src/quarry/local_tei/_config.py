@@ -26,6 +26,12 @@ class LocalTEIConfig:
     ``latency_ms`` and ``per_token_us`` set the cost of one worker step (one forward
     pass over a batch), ``fault_rate`` the share of requests answered with a random
     429 or 503, and ``engine_version`` the ``version`` that ``/info`` reports.
+
+    ``auto_truncate`` is TEI's ``--auto-truncate``, but off by default: quarry's
+    stack runs TEI fail-closed (``--auto-truncate false``, compose.yaml), where
+    TEI 1.9.3's own default is on. On, an input over the limit is cut (``truncate``
+    unset on ``/embed`` and ``/rerank``, always on ``/v1/embeddings``) and a
+    ``max_batch_tokens`` under ``max_input_length`` lowers the limit to it.
     """
 
     backend: Literal["minilm", "hash"] = "minilm"
@@ -44,6 +50,7 @@ class LocalTEIConfig:
     engine_version: str = "1.9.3"
     api_key: str | None = None
     rerank_dialect: Literal["tei", "cohere"] = "tei"
+    auto_truncate: bool = False
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -76,7 +83,9 @@ class LocalTEIConfig:
             problems.append(
                 f"max_concurrent_requests must be at least 1, not {self.max_concurrent_requests}"
             )
-        if self.max_batch_tokens < self.effective_max_input_length:
+        if self.max_batch_tokens < 1:
+            problems.append(f"max_batch_tokens must be at least 1, not {self.max_batch_tokens}")
+        elif self.max_batch_tokens < self.effective_max_input_length:
             # TEI refuses to start in this case too: an input that fits the limit must fit a batch.
             problems.append(
                 f"max_batch_tokens ({self.max_batch_tokens}) must be at least max_input_length "
@@ -97,10 +106,15 @@ class LocalTEIConfig:
 
     @property
     def effective_max_input_length(self) -> int:
-        """The token limit per input: ``max_input_length``, else the backend's default."""
+        """The token limit per input: ``max_input_length``, else the backend's default
+        (with ``auto_truncate``, at most ``max_batch_tokens``, as TEI caps it)."""
         if self.max_input_length is not None:
-            return self.max_input_length
-        return MINILM_MAX_INPUT_LENGTH if self.backend == "minilm" else HASH_MAX_INPUT_LENGTH
+            limit = self.max_input_length
+        else:
+            limit = MINILM_MAX_INPUT_LENGTH if self.backend == "minilm" else HASH_MAX_INPUT_LENGTH
+        if self.auto_truncate:
+            limit = min(limit, self.max_batch_tokens)
+        return limit
 
     @property
     def effective_dims(self) -> int:
