@@ -237,6 +237,20 @@ def test_a_service_error_names_each_document_once() -> None:
     assert str(error).endswith("(documents: a.md, b.md)")
 
 
+def test_a_document_that_got_shorter_counts_its_dropped_chunks(harness: Harness) -> None:
+    harness.run()
+
+    def chunks_of_alpha() -> int:
+        payloads = [point["payload"] for point in harness.points().values()]
+        return sum(1 for p in payloads if p["uri"] == "corpus/alpha.md")  # type: ignore[index]
+
+    before = chunks_of_alpha()
+    (harness.root / "alpha.md").write_text("# Alpha\n\nShort now.")
+    report = harness.run()
+    assert before > 1 and chunks_of_alpha() == 1
+    assert (report.documents_embedded, report.chunks_deleted) == (1, before - 1)
+
+
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:
     harness.run()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:

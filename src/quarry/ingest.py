@@ -66,6 +66,8 @@ class BatchResult:
     documents_embedded: int = 0
     chunks_embedded: int = 0
     tokens_embedded: int = 0
+    # Points of re-embedded documents beyond their new chunk count (they got shorter).
+    chunks_deleted: int = 0
     failures: list[Failure] = field(default_factory=list)
 
 
@@ -92,6 +94,7 @@ class IngestReport:
         """Fold a batch's result into the totals."""
         self.documents_embedded += result.documents_embedded
         self.chunks_embedded += result.chunks_embedded
+        self.chunks_deleted += result.chunks_deleted
         self.tokens_embedded += result.tokens_embedded
         self.fail(result.failures)
 
@@ -149,7 +152,7 @@ class IndexSync:
         self._requests_at_start = 0
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
-        self._planned_documents: set[str] = set()
+        self._planned_documents: dict[str, DocState] = {}
         # Documents this run wrote: with new chunk settings, they are re-chunked.
         self._rewritten: set[str] = set()
         # The canary of an existing collection is checked before the first embedding.
@@ -356,6 +359,9 @@ class IndexSync:
             except QuarryError as error:
                 result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
                 continue
+            before = self._planned_documents.get(document.doc_id)
+            if before is not None:
+                result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
             result.documents_embedded += 1
             result.chunks_embedded += count
             self._rewritten.add(document.doc_id)
