@@ -9,7 +9,8 @@ In the same run, for concurrency 1 and 16, from separate processes:
 
 * **direct**: the embed + search + rerank calls of one query, made with the API's
   own async clients (``AsyncEmbeddingClient``, ``AsyncStore``, ``AsyncRerankClient``)
-  in a process of their own, no HTTP server in between;
+  in a process of their own, no HTTP server in between; like ``quarry api``, it
+  freezes its heap (``gc.freeze``) once the collection is loaded;
 * **API**: ``POST /v1/query`` round trips against ``quarry api`` (uvicorn, in a child
   process), sent by a load process over keep-alive connections. Like wrk or oha, the
   load process writes HTTP/1.1 itself on asyncio streams (a few dozen lines below),
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -264,6 +266,11 @@ def child_direct(args: argparse.Namespace) -> None:
             return bool(hits), None, None
 
         try:
+            # As `quarry api` does once started (create_app(freeze_heap=True)): the
+            # collection, loaded by a first query, is kept out of the collector's reach.
+            await one("warm up")
+            gc.collect()
+            gc.freeze()
             return await run_levels(one, load_queries(), args.requests, args.warmup)
         finally:
             await embedder.aclose()

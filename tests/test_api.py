@@ -882,3 +882,25 @@ def test_a_payloads_chunk_index_of_any_type_reads_as_an_int(value: Any, index: i
 
     point = models.ScoredPoint(id=1, version=0, score=0.5, payload={"chunk_index": value})
     assert result_from_point(point, None).chunk_index == index
+
+
+def test_served_app_freezes_what_startup_loaded(
+    tmp_path: Path, template: Path, tei: LocalTEIServer
+) -> None:
+    # `quarry api` (serve) builds the app with freeze_heap: the collection loaded at startup
+    # is then never walked by a full collection, which stalled queries for 0.3 s.
+    import gc
+
+    shutil.copytree(template, tmp_path / "data", ignore=shutil.ignore_patterns(".lock"))
+    settings = Settings(
+        data_dir=tmp_path / "data", collection="test", embed_url=tei.url, api_key=SecretStr(KEY)
+    )
+    assert gc.get_freeze_count() == 0
+    try:
+        with TestClient(create_app(settings, freeze_heap=True)) as app:
+            assert gc.get_freeze_count() > 10_000
+            assert query(app, {"query": "gamma rays"}).status_code == 200
+    finally:
+        gc.unfreeze()
+    with TestClient(create_app(settings)) as app:
+        assert gc.get_freeze_count() == 0
