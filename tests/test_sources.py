@@ -376,6 +376,17 @@ def test_short_latin1_text_is_not_read_as_a_cjk_encoding(tmp_path: Path, text: s
     assert doc.metadata["encoding"] == "cp1252"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_text_with_a_wide_byte_order_mark_is_read_by_it(tmp_path: Path, encoding: str) -> None:
+    text = "Hello world, a note saved by Notepad.\n"
+    data = text.encode(encoding)
+    if encoding == "utf-16-be":
+        data = b"\xfe\xff" + data
+    (tmp_path / "note.txt").write_bytes(data)
+    [doc] = load_document(tmp_path / "note.txt", open_source(tmp_path))
+    assert doc.text == text
+
+
 @pytest.mark.parametrize(
     ("text", "encoding"),
     [("Hello 你好 world", "big5"), ("The 中文 annex of the report", "big5")],

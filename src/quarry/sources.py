@@ -120,7 +120,7 @@ _MULTIBYTE_MIN_SHARE = 0.3
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 _NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 _WESTERN_PUNCTUATION = frozenset("‘’‚“”„–—…•€£©®°«»¿¡·™†‡‰‹›")
-_MULTIBYTE = re.compile(r"big5|cp9[45]\d|gb|euc|hz|iso2022|johab|shift_jis|utf_(16|32)")
+_MULTIBYTE = re.compile(r"big5|cp9[345]\d|gb|euc|hz|iso2022|johab|shift_jis|utf_(16|32)")
 _BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
 
 
@@ -473,7 +473,12 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
         if match.chaos <= best.chaos + _CHAOS_MARGIN and _PREFERRED in match.could_be_from_charset:
             encoding = _PREFERRED
             break
-    if encoding != _PREFERRED and _MULTIBYTE.match(encoding) and _mostly_ascii_western(data):
+    if (
+        not wide_bom
+        and encoding != _PREFERRED
+        and _MULTIBYTE.match(encoding)
+        and _mostly_ascii_western(data)
+    ):
         encoding = _PREFERRED
     try:
         return data.decode(encoding), encoding
@@ -778,11 +783,6 @@ class Listing:
 
     spec: SourceSpec
     found: tuple[_Found, ...]
-
-    @property
-    def uris(self) -> set[str]:
-        """The uris of the files the source holds (those with no problem)."""
-        return {f"{self.spec.name}/{f.rel}" for f in self.found if f.problem is None}
 
     def still_there(self) -> tuple[set[str], tuple[str, ...]]:
         """What may still exist: the uris of every file found (readable or not), and
