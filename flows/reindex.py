@@ -79,7 +79,7 @@ def reindex_flow(
                 raise Refused(
                     f"nDCG@10 {ndcg:.4f} on {eval_dataset} is below --min-ndcg {min_ndcg}; "
                     "the alias was not switched (the new collection is kept for inspection; "
-                    "`quarry prune` removes it)"
+                    "`quarry prune --keep 1` removes it, with every collection but the live one)"
                 )
             return result
 

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from quarry.config import Settings
-from quarry.errors import SourceNotFound, UnreadableDocument
+from quarry.errors import QuarryError, SourceNotFound, UnreadableDocument
 from quarry.evaluate import (
     METRICS,
     format_table,
@@ -373,10 +373,18 @@ def test_a_query_too_long_for_the_embedding_model_is_left_out_with_a_warning(
         monkeypatch.setenv("QUARRY_EMBED_URL", short.url)
         settings = Settings(data_dir=tmp_path / "data", chunk_tokens=16, chunk_overlap=2)
         result = run_evaluation(root, settings=settings, details=True)
-    assert result["reranked"] is True  # q1 was reranked: no outage
-    assert result["queries"] == 1  # q2 is too long for the embedding model too: left out
-    [warning] = [w for w in result["warnings"] if "too long" in w]
-    assert "q2" in warning and "embedding model" in warning
+        assert result["reranked"] is True  # q1 was reranked: no outage
+        assert result["queries"] == 1  # q2 is too long for the embedding model too: left out
+        [warning] = [w for w in result["warnings"] if "too long" in w]
+        assert "q2" in warning and "embedding model" in warning
+        # With no query left to measure, the run fails instead of scoring 0.0.
+        only_long = _dataset(
+            tmp_path / "long",
+            queries=f'{{"_id": "q2", "text": "{long_query}"}}\n',
+            qrels="q2\td1\t1\n",
+        )
+        with pytest.raises(QuarryError, match="none of the 1 judged queries could be embedded"):
+            run_evaluation(only_long, settings=settings)
 
 
 def test_rerank_refusal_of_one_query_is_not_an_outage(

@@ -207,11 +207,11 @@ def test_new_chunk_settings_on_one_file_leave_the_rest_to_be_rechunked(
     smaller = Chunker(32, 4)
     one = harness.run(source=harness.root / "alpha.md", chunker=smaller)
     assert one.documents_embedded == 1
-    assert "every document this run syncs is re-chunked" in " ".join(one.notes)
+    assert "re-chunked and re-embedded when a sync reaches it" in " ".join(one.notes)
     # The other three documents still have 64-token chunks: the next full sync re-chunks
-    # (points do not say which settings made them, so alpha.md is redone too).
+    # them; each point records the settings that made it, so alpha.md is not redone.
     rest = harness.run(chunker=smaller)
-    assert (rest.documents_embedded, rest.documents_skipped) == (4, 0)
+    assert (rest.documents_embedded, rest.documents_skipped) == (3, 1)
     # Now every document has been: the settings are recorded and nothing is left to do.
     again = harness.run(chunker=smaller)
     assert (again.documents_embedded, again.notes) == (0, [])
@@ -249,6 +249,20 @@ def test_a_document_that_got_shorter_counts_its_dropped_chunks(harness: Harness)
     report = harness.run()
     assert before > 1 and chunks_of_alpha() == 1
     assert (report.documents_embedded, report.chunks_deleted) == (1, before - 1)
+
+
+def test_new_chunk_settings_converge_when_each_source_syncs_on_its_own(
+    harness: Harness, tmp_path: Path
+) -> None:
+    other = write_corpus(tmp_path / "other", {f"o{i}.md": f"Other {i}. " * 60 for i in range(3)})
+    harness.run()
+    harness.run(source=other)
+    smaller = Chunker(32, 4)
+    first = (harness.run(chunker=smaller), harness.run(source=other, chunker=smaller))
+    assert [r.documents_embedded for r in first] == [len(CORPUS), 3]
+    # Every document has been re-chunked once, by one run or the other: nothing is redone.
+    again = (harness.run(chunker=smaller), harness.run(source=other, chunker=smaller))
+    assert [(r.documents_embedded, r.notes) for r in again] == [(0, []), (0, [])]
 
 
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:

@@ -184,6 +184,7 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
         )
     assert "corpus" in str(caught.value)  # names the source left out
     assert index.store.alias_target() == served
+    assert [info.name for info in index.store.collections()] == [served]  # the build dropped
     report = reindex(
         index.store,
         lambda store: index.sync(new_model.url, store),

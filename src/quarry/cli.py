@@ -437,8 +437,6 @@ def reindex(
             f"({report['documents']} documents, {report['points']} points, "
             f"{report['model']['model_id']})"
         )
-        for note in report.get("notes", []):
-            typer.echo(f"note: {note}", err=True)
 
     _emit(as_json, report, human)
 
@@ -463,10 +461,16 @@ def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> 
 @app.command()
 def prune(
     collection: CollectionOption = None,
-    keep: Annotated[int, typer.Option(min=1, help="Newest collections to keep.")] = 2,
+    keep: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Collections to keep: the live one, the rollback target, the newest."
+        ),
+    ] = 2,
     as_json: JsonFlag = False,
 ) -> None:
-    """Delete old physical collections of the alias, keeping the KEEP newest and the live one."""
+    """Delete old physical collections of the alias, keeping KEEP: the live one, then the one
+    `quarry rollback` returns to, then the newest."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from quarry.reindex import prune as prune_collections

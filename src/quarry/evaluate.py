@@ -460,7 +460,7 @@ def _ingest(run: _Run, sync: IndexSync) -> IngestReport:
     for document in _documents(run.dataset):
         report.documents_seen += 1
         current = state.get(document.doc_id)
-        if not sync.rechunk_all and current is not None and current.is_current(document.doc_hash):
+        if sync.document_is_current(current, document.doc_hash):
             report.documents_skipped += 1
             done += 1
             if done % 512 == 0:
@@ -712,6 +712,11 @@ def _run(
         )
 
     per_query = _evaluate_queries(run)
+    if not per_query:
+        raise QuarryError(
+            f"{dataset.root}: none of the {len(dataset.queries)} judged queries could be "
+            f"embedded: {'; '.join(run.warnings[-1:])}"
+        )
     vector = mean_metrics(row["vector"] for row in per_query.values())
     reranked = run.reranker is not None and all("reranked" in row for row in per_query.values())
     headline = mean_metrics(row["reranked"] for row in per_query.values()) if reranked else vector

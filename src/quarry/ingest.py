@@ -8,6 +8,8 @@ killed at any moment and run again converges on the same index as one clean run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -148,13 +150,15 @@ class IndexSync:
         # Skip reading files whose mtime and size are as indexed (QUARRY_TRUST_FILE_STAMPS).
         self.trust_file_stamps = trust_file_stamps
         self.fingerprint: Fingerprint | None = None
-        self.rechunk_all = False
+        # Each point records the chunk settings that made it (``chunking``); points
+        # written before that was recorded were made by the collection's META_CHUNKING.
+        self.chunking_key = chunking_key(chunker.settings)
+        self.rechunk_all = False  # META_CHUNKING differs: documents re-chunk as syncs reach them
+        self._unkeyed_current = True  # whether points without a key have today's settings
         self._requests_at_start = 0
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
         self._planned_documents: dict[str, DocState] = {}
-        # Documents this run wrote: with new chunk settings, they are re-chunked.
-        self._rewritten: set[str] = set()
         # The canary of an existing collection is checked before the first embedding.
         self._canary_lock = threading.Lock()
         self._stored: Fingerprint | None = None
@@ -197,10 +201,11 @@ class IndexSync:
         recorded = metadata.get(META_CHUNKING)
         if recorded is not None and dict(recorded) != dict(self.chunker.settings):
             self.rechunk_all = True
+            self._unkeyed_current = False
             report.notes.append(
-                f"chunking settings changed ({recorded} -> {self.chunker.settings}): "
-                "every document this run syncs is re-chunked and re-embedded; the new "
-                "settings are recorded once every document of the collection has been"
+                f"chunking settings changed ({recorded} -> {self.chunker.settings}): each "
+                "document chunked the other way is re-chunked and re-embedded when a sync "
+                "reaches it"
             )
         self.fingerprint = claimed
         return claimed
@@ -274,7 +279,7 @@ class IndexSync:
     def unchanged_file(self, plan: SourcePlan, uri: str, path: Path) -> bool:
         """True when the file at ``uri`` need not be read: its stamp (mtime, size) is the
         one every one of its indexed documents was loaded with, and they are complete."""
-        if self.rechunk_all or not self.trust_file_stamps:
+        if not self.trust_file_stamps:
             return False
         docs = plan.files.get(uri)
         if not docs:
@@ -292,16 +297,22 @@ class IndexSync:
                 return False
             if stamp.parts != len(docs):  # a document of the file is missing: read it again
                 return False
-            if not doc.is_current(next(iter(doc.hashes))):
+            if not self.document_is_current(doc, next(iter(doc.hashes))):
                 return False
         return True
 
     def is_current(self, plan: SourcePlan, document: Document) -> bool:
         """True when ``document`` is indexed as it is now, so it needs no embedding."""
-        if self.rechunk_all:
+        return self.document_is_current(plan.state.get(document.doc_id), document.doc_hash)
+
+    def document_is_current(self, state: DocState | None, doc_hash: str) -> bool:
+        """True when ``state`` is one complete write of ``doc_hash`` with today's chunk settings."""
+        if state is None or not state.is_current(doc_hash):
             return False
-        state = plan.state.get(document.doc_id)
-        return state is not None and state.is_current(document.doc_hash)
+        return all(
+            key == self.chunking_key or (key is None and self._unkeyed_current)
+            for key in state.chunkings
+        )
 
     # -- during: embed and write ---------------------------------------------------------
 
@@ -320,8 +331,17 @@ class IndexSync:
         written.failures[:0] = result.failures
         return written
 
-    def write_chunked(self, chunked: Sequence[tuple[Document, list[Chunk]]]) -> BatchResult:
-        """Embed and write documents already split into chunks (a reindex starts here)."""
+    def write_chunked(
+        self,
+        chunked: Sequence[tuple[Document, list[Chunk]]],
+        chunkings: Mapping[str, str | None] | None = None,
+    ) -> BatchResult:
+        """Embed and write documents already split into chunks (a reindex starts here).
+
+        ``chunkings`` gives, per document id, the chunk settings key to record
+        instead of this chunker's (None: none, as points written before keys were):
+        a reindex re-embeds stored chunks that other settings may have made.
+        """
         result = BatchResult()
         texts: list[str] = []
         owners: list[str] = []
@@ -343,7 +363,12 @@ class IndexSync:
             if failure is not None:
                 result.failures.append(Failure(document.uri, str(failure.error)))
                 continue
-            doc_points = self._points(document, chunks, outcomes)  # type: ignore[arg-type]
+            chunking = (
+                chunkings.get(document.doc_id, self.chunking_key)
+                if chunkings is not None
+                else self.chunking_key
+            )
+            doc_points = self._points(document, chunks, outcomes, chunking)  # type: ignore[arg-type]
             points.extend(doc_points)
             written.append((document, len(doc_points)))
             result.tokens_embedded += sum(chunk.token_count for chunk in chunks)
@@ -364,7 +389,6 @@ class IndexSync:
                 result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
             result.documents_embedded += 1
             result.chunks_embedded += count
-            self._rewritten.add(document.doc_id)
         return result
 
     def _may_have_points(self, document: Document) -> bool:
@@ -393,6 +417,7 @@ class IndexSync:
         document: Document,
         chunks: Sequence[Chunk],
         outcomes: Sequence[list[EmbeddedPart]],
+        chunking: str | None,
     ) -> list[models.PointStruct]:
         assert self.fingerprint is not None, "prepare() must run first"
         pieces: list[tuple[Chunk, str, int, int, list[float]]] = []
@@ -435,6 +460,8 @@ class IndexSync:
                 "ingested_at": now,
                 "metadata": dict(document.metadata),
             }
+            if chunking is not None:
+                payload["chunking"] = chunking
             # Built unvalidated: the id is a uuid string and the vector a list of floats by
             # construction, and pydantic checking each float cost 10% of an ingest's CPU.
             points.append(
@@ -515,14 +542,18 @@ class IndexSync:
     def finish(self, report: IngestReport) -> None:
         """Record run-wide facts: request count, and the chunking settings now in force."""
         report.embedding_requests = self.embedder.requests_sent - self._requests_at_start
-        # A sync of one file or one source leaves the collection's other documents
-        # chunked the old way: the settings change is recorded only when none is left.
-        if (
-            self.rechunk_all
-            and report.documents_failed == 0
-            and self.store.index_state().keys() <= self._rewritten
+        # Syncs of one file or one source re-chunk part of the collection each: the new
+        # settings become the collection's once every point was made with them.
+        if self.rechunk_all and all(
+            state.chunkings == {self.chunking_key} for state in self.store.index_state().values()
         ):
             self.store.update_metadata({META_CHUNKING: dict(self.chunker.settings)})
+
+
+def chunking_key(settings: Mapping[str, Any]) -> str:
+    """A short, stable name for chunk settings, recorded in each point's ``chunking``."""
+    blob = json.dumps(dict(settings), sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def path_prefixes(uri: str) -> list[str]:

@@ -70,6 +70,7 @@ def stored_documents(
     store: VectorStore,
     batch: int = REINDEX_DOCUMENTS_PER_BATCH,
     interrupted: list[str] | None = None,
+    chunkings: dict[str, str | None] | None = None,
 ) -> Iterator[list[tuple[Document, list[Chunk]]]]:
     """The documents in the alias's collection rebuilt from their points, in batches.
 
@@ -78,7 +79,8 @@ def stored_documents(
     disagree (several hashes or chunk counts, or a gap: an ingest was killed
     while writing it) is carried as it is, under the hash INTERRUPTED_WRITE and
     without a complete file stamp, so the next sync reads and mends it instead of
-    taking it for current; its uri is appended to ``interrupted``.
+    taking it for current; its uri is appended to ``interrupted``. The chunk
+    settings key each document's points carry is put in ``chunkings``.
     """
     doc_ids = sorted(store.index_state())
     for start in range(0, len(doc_ids), batch):
@@ -98,6 +100,9 @@ def stored_documents(
             if not payloads:
                 continue
             first = payloads[0]
+            if chunkings is not None:
+                key = first.get("chunking")
+                chunkings[doc_id] = key if isinstance(key, str) else None
             metadata = dict(first.get("metadata") or {})
             doc_hash = str(first["doc_hash"])
             if not _consistent(payloads):
@@ -227,21 +232,22 @@ def reindex(
     progress(f"building {physical} with {live.model.describe()}")
     ingest = IngestReport(collection=physical)
     interrupted: list[str] = []
+    chunkings: dict[str, str | None] = {}
     if from_source:
         ingest = run_sync(sync, from_source, full_sync=True, max_file_bytes=max_file_bytes)
     else:
         sync.prepare(ingest)
-        for group in stored_documents(store, interrupted=interrupted):
-            ingest.add(sync.write_chunked(group))
+        for group in stored_documents(store, interrupted=interrupted, chunkings=chunkings):
+            ingest.add(sync.write_chunked(group, chunkings))
             progress(f"re-embedded {ingest.documents_embedded} documents")
     report.documents = ingest.documents_embedded
     report.points = ingest.chunks_embedded
     report.failures = [{"uri": f.uri, "error": f.error} for f in ingest.failures]
     if interrupted:
         report.notes.append(
-            f"{len(interrupted)} documents were left half-written by an interrupted ingest "
-            f"(first: {interrupted[0]}); they are carried as they were and the next "
-            "`quarry ingest` of their source reads them again"
+            f"{len(interrupted)} document(s) left half-written by an interrupted ingest "
+            f"(first: {interrupted[0]}) are carried as they were; the next `quarry ingest` "
+            "of their source reads them again"
         )
     if ingest.failures:
         raise Refused(
@@ -251,7 +257,11 @@ def reindex(
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
     if previous is not None and not allow_mass_delete:
-        _guard_lost_documents(store, target, max_delete_fraction)
+        try:
+            _guard_lost_documents(store, target, max_delete_fraction)
+        except MassDeleteRefused:
+            store.drop(physical)  # built from the wrong input: nothing to inspect
+            raise
     if gate is not None:
         report.evaluation = gate()
     target.update_metadata({META_PREVIOUS: previous})
@@ -277,7 +287,7 @@ def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: flo
         f"QUARRY_MAX_DELETE_FRACTION={fraction:.0%}; sources: {', '.join(sources[:5])}). "
         "Give --from-source every source, with the --include/--exclude globs they were "
         "ingested with; or rerun with --allow-mass-delete if this is intended. The alias "
-        "was not switched; `quarry prune` removes the new collection."
+        "was not switched, and the new collection was dropped."
     )
 
 
@@ -290,8 +300,8 @@ def rollback(store: VectorStore) -> tuple[str, str]:
     if not previous:
         raise StoreError(
             store.alias,
-            f"{current} was not built by a reindex over another collection (or was "
-            "rolled back to already); nothing to roll back to",
+            f"{current} was not built by a reindex over another collection; nothing to "
+            "roll back to",
         )
     names = {info.name for info in store.collections()}
     if previous not in names:

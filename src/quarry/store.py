@@ -38,7 +38,16 @@ INDEXED_FIELDS: dict[str, models.PayloadSchemaType] = {
 }
 # "metadata" whole rather than its stamp fields: local mode parses each nested path for
 # every point, and the whole (small) dict reads twice as fast.
-_SCAN_FIELDS = ["doc_id", "uri", "source", "doc_hash", "chunk_count", "chunk_index", "metadata"]
+_SCAN_FIELDS = [
+    "doc_id",
+    "uri",
+    "source",
+    "doc_hash",
+    "chunk_count",
+    "chunk_index",
+    "chunking",
+    "metadata",
+]
 
 
 @dataclass(slots=True)
@@ -53,6 +62,8 @@ class DocState:
     points: int = 0
     # The file stamps the points were written with (see quarry.sources.FileStamp).
     stamps: set[FileStamp | None] = field(default_factory=set)
+    # The chunk settings keys the points were made with (None: not recorded).
+    chunkings: set[str | None] = field(default_factory=set)
 
     def is_current(self, doc_hash: str) -> bool:
         """True when every point carries ``doc_hash`` and exactly chunks 0..n-1 exist."""
@@ -314,6 +325,8 @@ class VectorStore:
             state.chunk_counts.add(int(payload.get("chunk_count", -1)))
             state.indexes.add(int(payload.get("chunk_index", -1)))
             state.stamps.add(FileStamp.from_metadata(payload.get("metadata") or {}))
+            chunking = payload.get("chunking")
+            state.chunkings.add(chunking if isinstance(chunking, str) else None)
             state.points += 1
         return states
 
