@@ -176,7 +176,8 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
     index.ingest(old_model.url)
     run_sync(index.sync(old_model.url), [open_source(other)])
     served = index.store.alias_target()
-    with pytest.raises(MassDeleteRefused, match=r"lacks 8 of the 9 documents") as caught:
+    new_model.stats.reset()
+    with pytest.raises(MassDeleteRefused, match=r"leave out 8 of the 9 documents") as caught:
         reindex(
             index.store,
             lambda store: index.sync(new_model.url, store),
@@ -184,7 +185,16 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
         )
     assert "corpus" in str(caught.value)  # names the source left out
     assert index.store.alias_target() == served
-    assert [info.name for info in index.store.collections()] == [served]  # the build dropped
+    assert [info.name for info in index.store.collections()] == [served]
+    assert new_model.stats.inputs_embedded == 0  # refused before anything was built
+    # A source given with globs that leave most of it out is refused after the build.
+    with pytest.raises(MassDeleteRefused, match=r"new collection .* \(dropped\)"):
+        reindex(
+            index.store,
+            lambda store: index.sync(new_model.url, store),
+            from_source=[open_source(index.corpus, include=("topic1.*",)), open_source(other)],
+        )
+    assert [info.name for info in index.store.collections()] == [served]
     report = reindex(
         index.store,
         lambda store: index.sync(new_model.url, store),

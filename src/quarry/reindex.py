@@ -21,7 +21,7 @@ from quarry.errors import MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
 from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.sources import SourceSpec
-from quarry.store import META_CHUNKING, CollectionInfo, VectorStore
+from quarry.store import META_CHUNKING, CollectionInfo, DocState, VectorStore
 
 META_PREVIOUS = "quarry_previous"
 # The hash a document gets when its points disagree (an ingest was killed while it
@@ -213,6 +213,12 @@ def reindex(
     previous = store.alias_target()
     if previous is None and not from_source:
         raise StoreError(store.alias, "does not exist; nothing to reindex (use --from-source PATH)")
+    if from_source and previous is not None and not allow_mass_delete:
+        # Documents of a source not given are lost for certain: refuse before building.
+        given = {spec.name for spec in from_source}
+        served = store.index_state()
+        lost = [state for state in served.values() if state.uri.split("/", 1)[0] not in given]
+        _refuse_lost(store.alias, "the sources given", lost, len(served), max_delete_fraction)
     probe = make_sync(store)
     live: Fingerprint = read_fingerprint(probe.embedder)
     chunking: Mapping[str, Any] = probe.chunker.settings
@@ -274,20 +280,24 @@ def reindex(
 def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: float) -> None:
     """Refuse a new collection that lacks too many of the documents the alias serves."""
     served = store.index_state()
-    if not served:
-        return
     kept = target.index_state().keys()
     lost = [state for doc_id, state in served.items() if doc_id not in kept]
-    if len(lost) / len(served) <= fraction:
+    what = f"the new collection {target.resolve()} (dropped)"
+    _refuse_lost(store.alias, what, lost, len(served), fraction)
+
+
+def _refuse_lost(
+    alias: str, what: str, lost: Sequence[DocState], served: int, fraction: float
+) -> None:
+    if not served or len(lost) / served <= fraction:
         return
     sources = sorted({state.uri.split("/", 1)[0] for state in lost})
     raise MassDeleteRefused(
-        f"the new collection {target.resolve()} lacks {len(lost)} of the {len(served)} "
-        f"documents {store.alias!r} serves ({len(lost) / len(served):.0%} > "
-        f"QUARRY_MAX_DELETE_FRACTION={fraction:.0%}; sources: {', '.join(sources[:5])}). "
-        "Give --from-source every source, with the --include/--exclude globs they were "
-        "ingested with; or rerun with --allow-mass-delete if this is intended. The alias "
-        "was not switched, and the new collection was dropped."
+        f"{what} would leave out {len(lost)} of the {served} documents {alias!r} serves "
+        f"({len(lost) / served:.0%} > QUARRY_MAX_DELETE_FRACTION={fraction:.0%}; sources: "
+        f"{', '.join(sources[:5])}). Give --from-source every source, with the "
+        "--include/--exclude globs they were ingested with, or rerun with "
+        "--allow-mass-delete if this is intended. The alias was not switched."
     )
 
 
