@@ -265,6 +265,29 @@ def test_new_chunk_settings_converge_when_each_source_syncs_on_its_own(
     assert [(r.documents_embedded, r.notes) for r in again] == [(0, []), (0, [])]
 
 
+def test_points_written_before_chunking_keys_count_as_the_recorded_settings(
+    harness: Harness,
+) -> None:
+    from qdrant_client import models
+
+    harness.run()
+    store = VectorStore(open_client(harness.settings), "test")
+    try:  # as a collection written before points recorded their chunk settings
+        store.client.delete_payload(
+            store.resolve() or "", keys=["chunking"], points=models.Filter()
+        )
+    finally:
+        store.close()
+    unchanged = harness.run(trust_file_stamps=False)
+    assert (unchanged.documents_embedded, unchanged.documents_skipped) == (0, len(CORPUS))
+    smaller = Chunker(32, 4)
+    changed = harness.run(chunker=smaller, source=harness.root / "alpha.md")
+    assert changed.documents_embedded == 1
+    rest = harness.run(chunker=smaller)  # the unkeyed points are the old settings' now
+    assert (rest.documents_embedded, rest.documents_skipped) == (len(CORPUS) - 1, 1)
+    assert harness.run(chunker=smaller).notes == []  # recorded once every point has the key
+
+
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:
     harness.run()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:

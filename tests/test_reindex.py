@@ -222,14 +222,27 @@ def test_a_half_written_document_is_carried_for_the_next_ingest_to_mend(
     index.store.client.set_payload(
         index.store.resolve() or "", {"doc_hash": "newer", "chunk_count": 1}, first
     )
+    # ... and one killed while re-chunking topic6.md: same text and count, two settings.
+    other = next(d for d, state in victim.items() if state.uri.endswith("topic6.md"))
+    index.store.client.set_payload(
+        index.store.resolve() or "",
+        {"chunking": "0123456789ab"},
+        models.Filter(
+            must=[
+                models.FieldCondition(key="doc_id", match=models.MatchValue(value=other)),
+                models.FieldCondition(key="chunk_index", match=models.MatchValue(value=0)),
+            ]
+        ),
+    )
     report = reindex(index.store, lambda store: index.sync(new_model.url, store))
     assert report.switched
-    assert any("half-written" in note and "topic5.md" in note for note in report.notes)
+    assert any("2 document(s) left half-written" in note for note in report.notes)
     state = index.store.index_state()[doc_id]
     assert state.hashes == {INTERRUPTED_WRITE}
-    # The next ingest reads the file again (its stamp no longer vouches) and mends it.
+    assert index.store.index_state()[other].hashes == {INTERRUPTED_WRITE}
+    # The next ingest reads the files again (their stamps no longer vouch) and mends them.
     again = run_sync(index.sync(new_model.url), [open_source(index.corpus)])
-    assert again.documents_embedded == 1
+    assert again.documents_embedded == 2
     assert index.store.index_state()[doc_id].hashes != {INTERRUPTED_WRITE}
 
 

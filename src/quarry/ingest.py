@@ -544,8 +544,13 @@ class IndexSync:
         report.embedding_requests = self.embedder.requests_sent - self._requests_at_start
         # Syncs of one file or one source re-chunk part of the collection each: the new
         # settings become the collection's once every point was made with them.
-        if self.rechunk_all and all(
-            state.chunkings == {self.chunking_key} for state in self.store.index_state().values()
+        if (
+            self.rechunk_all
+            and report.documents_failed == 0  # a failed document keeps its old chunks
+            and all(
+                state.chunkings == {self.chunking_key}
+                for state in self.store.index_state().values()
+            )
         ):
             self.store.update_metadata({META_CHUNKING: dict(self.chunker.settings)})
 

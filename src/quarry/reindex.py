@@ -136,11 +136,21 @@ def stored_documents(
 
 
 def _consistent(payloads: Sequence[dict[str, Any]]) -> bool:
-    """Whether a document's points (sorted by chunk index) are one complete write."""
+    """Whether a document's points (sorted by chunk index) are one complete write.
+
+    One chunk settings key too: a re-chunk killed part way can leave chunks of the
+    same text and count made by two settings.
+    """
     hashes = {p.get("doc_hash") for p in payloads}
     counts = {p.get("chunk_count") for p in payloads}
+    keys = {p.get("chunking") for p in payloads}
     indexes = [p.get("chunk_index") for p in payloads]
-    return len(hashes) == 1 and counts == {len(payloads)} and indexes == list(range(len(payloads)))
+    return (
+        len(hashes) == 1
+        and len(keys) == 1
+        and counts == {len(payloads)}
+        and indexes == list(range(len(payloads)))
+    )
 
 
 def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[int, float]:
