@@ -198,6 +198,7 @@ class BeirDataset:
     skipped_queries: int = 0
     corpus_entries: int = 0
     empty_entries: int = 0
+    corpus_sha256: str = ""  # taken while the corpus was checked
 
     @property
     def corpus_path(self) -> Path:
@@ -209,7 +210,9 @@ class BeirDataset:
         return iter_corpus(self.corpus_path)
 
     def corpus_digest(self) -> str:
-        """sha256 of ``corpus.jsonl``'s bytes."""
+        """sha256 of ``corpus.jsonl``'s bytes (read again only if the check did not take it)."""
+        if self.corpus_sha256:
+            return self.corpus_sha256
         digest = hashlib.sha256()
         with self.corpus_path.open("rb") as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
@@ -217,10 +220,15 @@ class BeirDataset:
         return digest.hexdigest()
 
 
-def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Non-blank lines of a UTF-8 file (a leading byte order mark dropped), numbered from 1."""
+def _text_lines(path: Path, digest: Any = None) -> Iterator[tuple[int, str]]:
+    """Non-blank lines of a UTF-8 file (a leading byte order mark dropped), numbered from 1.
+
+    ``digest`` (a hashlib object), if given, is fed every byte of the file on the way.
+    """
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
+            if digest is not None:
+                digest.update(raw)
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
@@ -229,9 +237,9 @@ def _text_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield number, line
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+def _json_lines(path: Path, digest: Any = None) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """``(line number, id, object)`` per line; the id is a non-empty string or integer."""
-    for number, line in _text_lines(path):
+    for number, line in _text_lines(path, digest):
         try:
             item = json.loads(line)
         except json.JSONDecodeError as error:
@@ -261,36 +269,37 @@ def iter_corpus(path: Path) -> Iterator[CorpusEntry]:
         yield _corpus_entry(path, number, doc_id, item)
 
 
-def check_corpus(path: Path) -> tuple[int, int]:
-    """Read ``corpus.jsonl`` once before anything is embedded: ``(entries, entries without text)``.
-
-    UnreadableDocument names the line of the first malformed entry or repeated id
-    (two entries with one id would overwrite each other's points).
-    """
+def _unique_json_lines(path: Path, digest: Any = None) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """:func:`_json_lines`, refusing an id seen on an earlier line (it would overwrite it)."""
     first_line: dict[str, int] = {}
-    entries = empty = 0
-    for number, doc_id, item in _json_lines(path):
-        entry = _corpus_entry(path, number, doc_id, item)
-        seen = first_line.setdefault(doc_id, number)
+    for number, item_id, item in _json_lines(path, digest):
+        seen = first_line.setdefault(item_id, number)
         if seen != number:
             raise UnreadableDocument(
-                f"{path}:{number}", f"_id {doc_id!r} is repeated (first on line {seen})"
+                f"{path}:{number}", f"_id {item_id!r} is repeated (first on line {seen})"
             )
+        yield number, item_id, item
+
+
+def check_corpus(path: Path) -> tuple[int, int, str]:
+    """Read ``corpus.jsonl`` once before anything is embedded.
+
+    Returns ``(entries, entries without text, sha256 of the file)``.
+    UnreadableDocument names the line of the first malformed entry or repeated id.
+    """
+    digest = hashlib.sha256()
+    entries = empty = 0
+    for number, doc_id, item in _unique_json_lines(path, digest):
+        entry = _corpus_entry(path, number, doc_id, item)
         entries += 1
         empty += not entry.passage.strip()
-    return entries, empty
+    return entries, empty, digest.hexdigest()
 
 
 def load_queries(path: Path) -> dict[str, str]:
     """``queries.jsonl`` as ``{query id: text}`` (a repeated id is an UnreadableDocument)."""
     queries: dict[str, str] = {}
-    first_line: dict[str, int] = {}
-    for number, query_id, item in _json_lines(path):
-        seen = first_line.setdefault(query_id, number)
-        if seen != number:
-            raise UnreadableDocument(
-                f"{path}:{number}", f"_id {query_id!r} is repeated (first on line {seen})"
-            )
+    for _number, query_id, item in _unique_json_lines(path):
         text = item.get("text")
         queries[query_id] = text if isinstance(text, str) else ""
     return queries
@@ -358,7 +367,7 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
             str(qrels_path), "judges no document relevant (no score above 0): nothing to measure"
         )
     judged = {qid: queries[qid] for qid in qrels if queries.get(qid, "").strip()}
-    entries, empty = check_corpus(root / "corpus.jsonl")
+    entries, empty, sha256 = check_corpus(root / "corpus.jsonl")
     if entries == empty:
         raise UnreadableDocument(
             str(root / "corpus.jsonl"), "has no entry with a title or text: nothing to index"
@@ -373,6 +382,7 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
         skipped_queries=len(qrels) - len(judged),
         corpus_entries=entries,
         empty_entries=empty,
+        corpus_sha256=sha256,
     )
 
 
