@@ -95,7 +95,12 @@ from quarry.search import (
     score_threshold,
     verify_fingerprint,
 )
-from quarry.services import retry_policy, start_local_tei_if_needed
+from quarry.services import (
+    async_embedding_client,
+    async_rerank_client,
+    retry_policy,
+    start_local_tei_if_needed,
+)
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -1351,25 +1356,9 @@ def _document_request_id(app: FastAPI) -> None:
 async def _start_services(settings: Settings, stack: AsyncExitStack) -> QueryService:
     """Build the clients from settings (closing them with ``stack``) and check the index."""
     embed_url = await asyncio.to_thread(stack.enter_context, start_local_tei_if_needed(settings))
-    policy = retry_policy(settings)
-    embedder = AsyncEmbeddingClient(
-        embed_url,
-        api_key=_secret(settings.embed_api_key),
-        model=settings.embed_model,
-        timeout=settings.embed_timeout,
-        retry=policy,
-        prompt_profile=settings.prompt_profile,
-        query_task=settings.query_task,
-        dialect=settings.embed_dialect,
-    )
+    embedder = async_embedding_client(settings, embed_url)
     stack.push_async_callback(embedder.aclose)
-    reranker = AsyncRerankClient(
-        settings.rerank_url or embed_url,
-        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
-        timeout=settings.embed_timeout,
-        retry=policy,
-        dialect=settings.rerank_dialect,
-    )
+    reranker = async_rerank_client(settings, settings.rerank_url or embed_url)
     stack.push_async_callback(reranker.aclose)
     store = AsyncStore(open_async_qdrant(settings), settings.collection)
     stack.push_async_callback(store.close)
@@ -1386,10 +1375,6 @@ async def _start_services(settings: Settings, stack: AsyncExitStack) -> QuerySer
             "QUARRY_API_AUTH=disabled" if settings.api_auth == "disabled" else "no QUARRY_API_KEY",
         )
     return service
-
-
-def _secret(value: Any) -> str | None:
-    return value.get_secret_value() if value is not None else None
 
 
 # -- serving ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+from quarry._async_clients import AsyncEmbeddingClient, AsyncRerankClient
 from quarry._http import RetryPolicy
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
@@ -84,6 +85,31 @@ def embedding_client(settings: Settings, url: str) -> EmbeddingClient:
 def rerank_client(settings: Settings, url: str) -> RerankClient:
     """A rerank client for ``url``: its own key, else the embedding service's."""
     return RerankClient(
+        url.rstrip("/"),
+        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
+        timeout=settings.embed_timeout,
+        retry=retry_policy(settings),
+        dialect=settings.rerank_dialect,
+    )
+
+
+def async_embedding_client(settings: Settings, url: str) -> AsyncEmbeddingClient:
+    """:func:`embedding_client` for the query API's event loop (queries only: no batch limits)."""
+    return AsyncEmbeddingClient(
+        url.rstrip("/"),
+        api_key=_secret(settings.embed_api_key),
+        model=settings.embed_model,
+        timeout=settings.embed_timeout,
+        retry=retry_policy(settings),
+        prompt_profile=settings.prompt_profile,
+        query_task=settings.query_task,
+        dialect=settings.embed_dialect,
+    )
+
+
+def async_rerank_client(settings: Settings, url: str) -> AsyncRerankClient:
+    """:func:`rerank_client` for the query API's event loop."""
+    return AsyncRerankClient(
         url.rstrip("/"),
         api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
         timeout=settings.embed_timeout,
