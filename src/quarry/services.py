@@ -11,12 +11,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import TypedDict
 
 from quarry._async_clients import AsyncEmbeddingClient, AsyncRerankClient
 from quarry._http import RetryPolicy
 from quarry.config import Settings
-from quarry.embeddings import EmbeddingClient
-from quarry.rerank import RerankClient
+from quarry.embeddings import EmbedDialect, EmbeddingClient
+from quarry.prompts import ProfileName
+from quarry.rerank import RerankClient, RerankDialect
 from quarry.store import VectorStore, open_client
 
 
@@ -66,56 +68,69 @@ def retry_policy(settings: Settings) -> RetryPolicy:
     return RetryPolicy(budget=settings.retry_budget)
 
 
+class _EmbeddingOptions(TypedDict):
+    api_key: str | None
+    model: str | None
+    timeout: float
+    retry: RetryPolicy
+    prompt_profile: ProfileName | None
+    query_task: str
+    dialect: EmbedDialect
+
+
+class _RerankOptions(TypedDict):
+    api_key: str | None
+    timeout: float
+    retry: RetryPolicy
+    dialect: RerankDialect
+
+
+def _embedding_options(settings: Settings) -> _EmbeddingOptions:
+    """What the sync and the async embedding client both take from settings."""
+    return {
+        "api_key": _secret(settings.embed_api_key),
+        "model": settings.embed_model,
+        "timeout": settings.embed_timeout,
+        "retry": retry_policy(settings),
+        "prompt_profile": settings.prompt_profile,
+        "query_task": settings.query_task,
+        "dialect": settings.embed_dialect,
+    }
+
+
+def _rerank_options(settings: Settings) -> _RerankOptions:
+    """What both rerank clients take from settings: their own key, else the embedding service's."""
+    return {
+        "api_key": _secret(settings.rerank_api_key or settings.embed_api_key),
+        "timeout": settings.embed_timeout,
+        "retry": retry_policy(settings),
+        "dialect": settings.rerank_dialect,
+    }
+
+
 def embedding_client(settings: Settings, url: str) -> EmbeddingClient:
     """An embedding client for ``url`` with the key, limits and profile the settings give."""
     return EmbeddingClient(
         url.rstrip("/"),
-        api_key=_secret(settings.embed_api_key),
-        model=settings.embed_model,
-        timeout=settings.embed_timeout,
-        retry=retry_policy(settings),
         batch_size=settings.embed_batch_size,
         concurrency=settings.embed_concurrency,
-        prompt_profile=settings.prompt_profile,
-        query_task=settings.query_task,
-        dialect=settings.embed_dialect,
+        **_embedding_options(settings),
     )
 
 
 def rerank_client(settings: Settings, url: str) -> RerankClient:
     """A rerank client for ``url``: its own key, else the embedding service's."""
-    return RerankClient(
-        url.rstrip("/"),
-        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
-        timeout=settings.embed_timeout,
-        retry=retry_policy(settings),
-        dialect=settings.rerank_dialect,
-    )
+    return RerankClient(url.rstrip("/"), **_rerank_options(settings))
 
 
 def async_embedding_client(settings: Settings, url: str) -> AsyncEmbeddingClient:
     """:func:`embedding_client` for the query API's event loop (queries only: no batch limits)."""
-    return AsyncEmbeddingClient(
-        url.rstrip("/"),
-        api_key=_secret(settings.embed_api_key),
-        model=settings.embed_model,
-        timeout=settings.embed_timeout,
-        retry=retry_policy(settings),
-        prompt_profile=settings.prompt_profile,
-        query_task=settings.query_task,
-        dialect=settings.embed_dialect,
-    )
+    return AsyncEmbeddingClient(url.rstrip("/"), **_embedding_options(settings))
 
 
 def async_rerank_client(settings: Settings, url: str) -> AsyncRerankClient:
     """:func:`rerank_client` for the query API's event loop."""
-    return AsyncRerankClient(
-        url.rstrip("/"),
-        api_key=_secret(settings.rerank_api_key or settings.embed_api_key),
-        timeout=settings.embed_timeout,
-        retry=retry_policy(settings),
-        dialect=settings.rerank_dialect,
-    )
+    return AsyncRerankClient(url.rstrip("/"), **_rerank_options(settings))
 
 
 @contextmanager
