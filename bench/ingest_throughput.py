@@ -240,14 +240,15 @@ def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
 
     Loading (read, normalise, hash), chunking (tiktoken), and writing the points of the
     in-memory run again into a new in-memory collection and, for a sample of 256, into
-    local mode on disk as quarry opens it (SQLite in WAL mode; wall time per point).
+    local mode on disk as quarry opens and writes it (SQLite in WAL mode, one commit per
+    upsert; wall time per point).
     """
     from qdrant_client import QdrantClient, models
 
     from quarry.chunking import Chunker, count_tokens, forget_piece_counts
     from quarry.documents import Document
     from quarry.sources import iter_documents, open_source
-    from quarry.store import tune_local_storage
+    from quarry.store import VectorStore, tune_local_storage
 
     out: dict[str, Any] = {}
     started = time.process_time()
@@ -288,7 +289,7 @@ def cpu_budget(corpus_dir: Path, memory: Any, work: Path) -> dict[str, Any]:
     disk.create_collection("budget", vectors_config=params)
     tune_local_storage(disk)
     started, cpu = time.perf_counter(), time.process_time()
-    disk.upsert("budget", points=sample, wait=True)
+    VectorStore(disk, "budget").upsert(sample, physical="budget")
     out["upsert_disk_ms_per_point"] = (time.perf_counter() - started) * 1e3 / len(sample)
     out["upsert_disk_cpu_ms_per_point"] = (time.process_time() - cpu) * 1e3 / len(sample)
     disk.close()

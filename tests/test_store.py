@@ -10,6 +10,7 @@ import pytest
 from qdrant_client import models
 
 from quarry.config import Settings
+from quarry.errors import WriteFailed
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
 from quarry.store import VectorStore, open_client
 
@@ -82,3 +83,57 @@ def test_index_state_reads_local_payloads_in_place_and_agrees_with_a_scroll(
     assert sorted(in_place[None]) == ["a", "b"]
     assert in_place[None]["a"].indexes == {0, 1} and in_place[None]["a"].points == 2
     assert sorted(in_place["docs"]) == ["a"]
+
+
+def _local_connection(store: VectorStore, physical: str) -> sqlite3.Connection:
+    connection = store.client._client.collections[physical].storage.storage  # type: ignore[attr-defined]
+    assert isinstance(connection, sqlite3.Connection)
+    return connection
+
+
+def test_a_local_upsert_is_one_transaction_on_disk(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, collection="tx")
+    store = VectorStore(open_client(settings), "tx")
+    physical = store.create(_fingerprint(), {})
+    statements: list[str] = []
+    _local_connection(store, physical).set_trace_callback(statements.append)
+    store.upsert([_point("a", i, 20, "docs") for i in range(20)])
+    assert sum(s.upper().startswith("COMMIT") for s in statements) == 1
+    assert sum("INSERT OR REPLACE" in s for s in statements) == 20
+    store.close()
+    reopened = VectorStore(open_client(settings), "tx")
+    try:
+        assert reopened.count() == 20
+    finally:
+        reopened.close()
+
+
+def test_a_local_upsert_that_fails_midway_leaves_none_of_its_points_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(data_dir=tmp_path, collection="tx")
+    store = VectorStore(open_client(settings), "tx")
+    physical = store.create(_fingerprint(), {})
+    store.upsert([_point("kept", 0, 1, "docs")])
+    persistence = store.client._client.collections[physical].storage  # type: ignore[attr-defined]
+    persist = persistence.persist
+    written: list[object] = []
+
+    def failing_persist(point: models.PointStruct) -> None:
+        if len(written) == 3:
+            raise sqlite3.OperationalError("disk I/O error")
+        persist(point)
+        written.append(point.id)
+
+    monkeypatch.setattr(persistence, "persist", failing_persist)
+    with pytest.raises(WriteFailed, match="upsert of 10 points failed"):
+        store.upsert([_point("torn", i, 10, "docs") for i in range(10)])
+    assert len(written) == 3
+    assert isinstance(persistence.storage, sqlite3.Connection)  # the real connection is back
+    store.close()
+    reopened = VectorStore(open_client(settings), "tx")
+    try:
+        state = reopened.index_state()
+        assert set(state) == {"kept"}  # the three points written before the failure are gone
+    finally:
+        reopened.close()

@@ -11,6 +11,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -126,6 +127,61 @@ def tune_local_storage(client: QdrantClient) -> None:
         if isinstance(connection, sqlite3.Connection):
             connection.execute("PRAGMA journal_mode=WAL")
             connection.execute("PRAGMA synchronous=NORMAL")
+
+
+class _CommitLater:
+    """A SQLite connection whose ``with`` block neither commits nor rolls back.
+
+    qdrant-client's local persistence writes each point inside ``with
+    connection:``, a commit per point. Behind this stand-in the points of one
+    upsert go into one transaction that :func:`_one_transaction` ends.
+    """
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.connection
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> sqlite3.Cursor:
+        """Run ``sql`` on the real connection."""
+        return self.connection.execute(sql, parameters)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connection, name)
+
+
+@contextmanager
+def _one_transaction(client: QdrantClient, collection: str) -> Iterator[None]:
+    """Commit local mode's writes to ``collection`` once, on leaving the block.
+
+    A commit costs about 0.15 ms even in WAL mode, as much as the rest of a
+    point's write. One transaction per upsert is also what a crash should see:
+    the whole upsert or none of it (the sync re-embeds a document whose points
+    are missing). Does nothing for a server, or if qdrant-client's local
+    internals change.
+    """
+    local = getattr(client, "_client", None)
+    aliases = getattr(local, "aliases", None) or {}
+    collections = getattr(local, "collections", None) or {}
+    target = collections.get(aliases.get(collection, collection))
+    persistence: Any = getattr(target, "storage", None)
+    connection = getattr(persistence, "storage", None)
+    if not isinstance(connection, sqlite3.Connection) or connection.in_transaction:
+        yield
+        return
+    persistence.storage = _CommitLater(connection)
+    try:
+        yield
+        connection.commit()
+    except BaseException:
+        connection.rollback()
+        raise
+    finally:
+        persistence.storage = connection
 
 
 def physical_name(alias: str, model_key: str, when: datetime | None = None) -> str:
@@ -403,7 +459,8 @@ class VectorStore:
         name = physical or self._require()
         with self._write_lock:
             try:
-                result = self.client.upsert(name, points=list(points), wait=True)
+                with _one_transaction(self.client, name):
+                    result = self.client.upsert(name, points=list(points), wait=True)
             except Exception as error:  # qdrant-client raises transport-specific types
                 raise WriteFailed(
                     name, f"upsert of {len(points)} points failed: {error}"
