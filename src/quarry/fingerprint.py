@@ -14,6 +14,7 @@ A fingerprint has three parts:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -45,13 +46,19 @@ class ModelIdentity:
     @property
     def key(self) -> str:
         """A short stable hash of the identity: ``model_key`` in payloads and names."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode("utf-8")
-        return hashlib.sha256(blob).hexdigest()[:12]
+        return _identity_key(self)
 
     def describe(self) -> str:
         """One line naming the model for error messages."""
         revision = f"@{self.model_sha[:10]}" if self.model_sha else ""
         return f"{self.model_id}{revision} ({self.dimensions}d, {self.profile}, key {self.key})"
+
+
+# Every point an ingest writes carries the key: hash the (frozen) identity once.
+@functools.lru_cache(maxsize=64)
+def _identity_key(identity: ModelIdentity) -> str:
+    blob = json.dumps(asdict(identity), sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,41 @@
+"""The model key is a stored contract: indexes built by earlier versions carry it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from quarry.fingerprint import ModelIdentity
+
+
+def test_the_model_key_is_the_hash_earlier_versions_stored() -> None:
+    identity = ModelIdentity(
+        "sentence-transformers/all-MiniLM-L6-v2", "abc123", "mean", 384, True, "none"
+    )
+    # What every index written so far holds for this identity: a changed derivation
+    # would make quarry refuse (or re-embed) every existing collection.
+    fields = {
+        "model_id": "sentence-transformers/all-MiniLM-L6-v2",
+        "model_sha": "abc123",
+        "pooling": "mean",
+        "dimensions": 384,
+        "normalized": True,
+        "profile": "none",
+    }
+    expected = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    assert identity.key == expected
+    assert identity.key == identity.key  # cached: the same answer every time
+
+
+def test_identities_that_differ_in_any_field_get_different_keys() -> None:
+    base = ModelIdentity("m", None, "mean", 384, True, "none")
+    variants = [
+        ModelIdentity("m2", None, "mean", 384, True, "none"),
+        ModelIdentity("m", "sha", "mean", 384, True, "none"),
+        ModelIdentity("m", None, "cls", 384, True, "none"),
+        ModelIdentity("m", None, "mean", 768, True, "none"),
+        ModelIdentity("m", None, "mean", 384, False, "none"),
+        ModelIdentity("m", None, "mean", 384, True, "qwen3"),
+    ]
+    keys = {base.key, *(v.key for v in variants)}
+    assert len(keys) == len(variants) + 1
