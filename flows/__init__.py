@@ -16,7 +16,15 @@ def configure_prefect_environment(data_dir: Path) -> None:
     if os.environ.get("PREFECT_API_URL"):
         return
     home = Path(os.environ.setdefault("PREFECT_HOME", str((data_dir / "prefect").resolve())))
-    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
+    try:
+        home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
+    except OSError as error:
+        from quarry.errors import ConfigError
+
+        raise ConfigError(
+            f"QUARRY_DATA_DIR={data_dir}: cannot create {home} for Prefect: "
+            f"{error.strerror or error}"
+        ) from None
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.

@@ -27,7 +27,7 @@ from quarry.config import Settings, get_settings
 from quarry.documents import Document
 from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
 from quarry.services import open_services
-from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source
+from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
 
 
 # No Prefect retries: the clients own retries of transient failures, and a
@@ -111,7 +111,9 @@ def source_specs(
         globs["include"] = tuple(include)
     if exclude:
         globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
-    return [open_source(path, **globs) for path in paths]
+    specs = [open_source(path, **globs) for path in paths]
+    refuse_same_named_sources(specs)
+    return specs
 
 
 @flow(name="quarry-ingest", log_prints=False)

@@ -78,13 +78,21 @@ def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> Non
         (["chunk", "{file}"], {"QUARRY_CHUNK_TOKENS": "abc"}, "QUARRY_CHUNK_TOKENS:"),
         (["status"], {"QUARRY_EMBED_URL": "not a url"}, "QUARRY_EMBED_URL: 'not a url' is not"),
         (["chunk", "{dir}"], {}, "is a directory"),
+        (["query", "  "], {}, "the query is empty"),
+        (["parity", "--candidate-embed-url", "notaurl"], {}, "--candidate-embed-url: 'notaurl'"),
+        (["api", "--port", "70000"], {}, "--port"),
+        (["local-tei", "--backend", "hash", "--port", "99999"], {}, "port must be in 0..65535"),
+        (["local-tei", "--backend", "hash", "--dims", "0"], {}, "quarry local-tei: error:"),
+        (["ingest", "{same1}", "{same2}"], {}, "two sources are named 'same'"),
     ],
 )
 def test_bad_settings_and_arguments_are_usage_errors_that_say_what_to_fix(
     tmp_path: Path, args: list[str], env: dict[str, str], expected: str
 ) -> None:
     doc = write_corpus(tmp_path / "c", {"a.md": "# A\n\nText."})
-    args = [a.format(file=doc / "a.md", dir=doc) for a in args]
+    same1 = write_corpus(tmp_path / "x1" / "same", {"one.md": "# One"})
+    same2 = write_corpus(tmp_path / "x2" / "same", {"two.md": "# Two"})
+    args = [a.format(file=doc / "a.md", dir=doc, same1=same1, same2=same2) for a in args]
     result = run(args, {"QUARRY_DATA_DIR": str(tmp_path / "d"), **env}, timeout=60)
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
@@ -218,3 +226,72 @@ def test_parity_gives_key_protected_candidates_the_services_key(
     report = json.loads(result.stdout)
     assert report["passed"] is True
     assert report["rerank"]["top1_agreement"] == 1.0
+
+
+def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
+    tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    corpus = write_corpus(tmp_path / "c", {"a.md": "text"})
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_EMBED_URL": tei.url,
+        "QUARRY_QDRANT_URL": "http://127.0.0.1:9",
+    }
+    for args in (["status", "--json"], ["ingest", str(corpus), "--json"]):
+        result = run(args, env, timeout=120)
+        assert result.returncode == 1, (args, result.stderr)
+        assert result.stdout == ""
+        assert "Qdrant at http://127.0.0.1:9 (QUARRY_QDRANT_URL) does not answer" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_data_dir_that_cannot_be_a_folder_is_a_usage_error_naming_it(
+    tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    corpus = write_corpus(tmp_path / "c", {"a.md": "text"})
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("x")
+    env = {"QUARRY_DATA_DIR": str(not_a_folder), "QUARRY_EMBED_URL": tei.url}
+    for args in (["status"], ["ingest", str(corpus)]):
+        result = run(args, env, timeout=120)
+        assert result.returncode == 2, (args, result.stderr)
+        assert f"QUARRY_DATA_DIR={not_a_folder}: cannot create" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_local_tei_takes_every_option_of_the_module_and_says_when_its_port_is_taken(
+    tei: LocalTEIServer,
+) -> None:
+    helped = run(["local-tei", "--help"], {}, timeout=60)
+    assert helped.returncode == 0
+    for option in ("--auto-truncate", "--payload-limit", "--engine-version", "--rerank-dialect"):
+        assert option in helped.stdout
+    port = tei.url.rsplit(":", 1)[1]
+    taken = run(["local-tei", "--backend", "hash", "--port", port], {}, timeout=60)
+    assert taken.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in taken.stderr
+    assert "Traceback" not in taken.stderr
+
+
+def test_chunk_names_what_is_wrong_with_a_path_that_is_not_a_file(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo.md")
+    (tmp_path / "loop.md").symlink_to("loop.md")
+    fifo = run(["chunk", str(tmp_path / "fifo.md")], {}, timeout=60)  # must not wait on it
+    assert fifo.returncode == 1 and "not a regular file" in fifo.stderr
+    loop = run(["chunk", str(tmp_path / "loop.md")], {}, timeout=60)
+    assert loop.returncode == 1 and "symlink loop" in loop.stderr
+
+
+def test_a_source_with_no_file_to_index_says_so(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    (tmp_path / "empty").mkdir()
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_EMBED_URL": tei.url,
+        "PREFECT_API_URL": prefect_api,
+    }
+    result = run(["ingest", str(tmp_path / "empty"), "--json"], env)
+    assert result.returncode == 0, result.stderr
+    notes = json.loads(result.stdout)["notes"]
+    assert any("empty: no file to index" in note for note in notes), notes

@@ -23,6 +23,7 @@ from quarry.sources import (
     discover,
     html_to_text,
     iter_documents,
+    list_source,
     load_document,
     load_path,
     open_source,
@@ -157,6 +158,15 @@ def test_excluded_directories_are_not_descended(tree: Path) -> None:
         locked.chmod(0o755)
     assert failures == []  # an unreadable folder under an excluded one is never listed
     assert not any("node_modules" in d.uri for d in docs)
+
+
+def test_virtualenvs_and_quarry_data_are_skipped_at_any_depth(tree: Path) -> None:
+    for folder in (".venv/lib", "sub/.venv/lib", ".quarry", "sub/deeper/.quarry"):
+        (tree / folder).mkdir(parents=True)
+        (tree / folder / "README.md").write_text("# not documentation\n")
+    rels = [p.relative_to(tree).as_posix() for p in discover(open_source(tree))]
+    assert not any(".venv" in rel or ".quarry" in rel for rel in rels), rels
+    assert "guide/intro.md" in rels
 
 
 def test_include_globs_pick_source_code(tree: Path) -> None:
@@ -568,3 +578,38 @@ def test_a_file_longer_than_its_stat_size_is_read_whole() -> None:
     assert len(documents) == 1
     assert "Pid:" in documents[0].text
     assert len(documents[0].text) > 100
+
+
+def test_names_that_are_not_utf8_are_reported_and_the_rest_is_loaded(tmp_path: Path) -> None:
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "ok.md").write_text("# ok\n\nfine\n")
+    raw = os.fsencode(root)
+    with open(raw + b"/b\xe9d.md", "wb") as handle:
+        handle.write(b"# bad name\n")
+    os.mkdir(raw + b"/d\xe9r")
+    with open(raw + b"/d\xe9r/in.md", "wb") as handle:
+        handle.write(b"# inside\n")
+    spec = open_source(root)
+    items = list(iter_documents(spec))
+    failures = {i.uri: i.error for i in items if isinstance(i, LoadFailure)}
+    assert [d.uri for d in items if isinstance(d, Document)] == ["src/ok.md"]
+    assert set(failures) == {"src/b\ufffdd.md", "src/d\ufffdr/"}
+    assert "not valid UTF-8" in failures["src/b\ufffdd.md"]
+    assert "rename" in failures["src/d\ufffdr/"]
+    for uri in failures:  # every uri can be logged, stored and sent as JSON
+        uri.encode("utf-8")
+    # A folder it could not name counts as unlisted: nothing under it is deleted.
+    _, unlisted = list_source(spec).still_there()
+    assert unlisted == ("src/d\ufffdr/",)
+
+
+def test_a_source_path_whose_name_is_not_utf8_is_refused_by_name(tmp_path: Path) -> None:
+    raw = os.fsencode(tmp_path)
+    with open(raw + b"/caf\xe9.md", "wb") as handle:
+        handle.write(b"# menu\n")
+    with pytest.raises(SourceNotFound, match="not valid UTF-8") as caught:
+        open_source(os.fsdecode(raw + b"/caf\xe9.md"))
+    str(caught.value).encode("utf-8")
+    with pytest.raises(SourceNotFound, match="not valid UTF-8"):
+        load_path(os.fsdecode(raw + b"/caf\xe9.md"))

@@ -114,6 +114,10 @@ def _preflight(settings: Settings) -> None:
             retry=retry_policy(settings),
         ) as client:
             _ = client.info
+    if settings.qdrant_url:
+        from quarry.store import open_client
+
+        open_client(settings).close()
 
 
 def _count(n: int, noun: str) -> str:
@@ -159,10 +163,14 @@ def ingest(
         if not path.exists():
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
     with _errors_to_exit_codes():
+        from quarry.sources import open_source, refuse_same_named_sources
+
+        refuse_same_named_sources([open_source(path) for path in paths])
         _preflight(settings)
     from flows import configure_prefect_environment, quiet_quarry_tracebacks
 
-    configure_prefect_environment(settings.data_dir)
+    with _errors_to_exit_codes():
+        configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
     with _errors_to_exit_codes(), _ingest_progress():
         from flows.ingest import ingest_flow
@@ -189,6 +197,8 @@ def ingest(
         )
         for failure in summary["failures"]:
             typer.echo(f"  failed: {failure['uri']}: {failure['error']}")
+        for note in summary.get("notes", []):
+            typer.echo(f"  note: {note}")
 
     _emit(as_json, summary, human)
 
@@ -203,6 +213,8 @@ def query(
     as_json: JsonFlag = False,
 ) -> None:
     """Search the collection and print the best passages with their scores and sources."""
+    if not text.strip():
+        _fail("the query is empty: give a question (quarry query TEXT)", EXIT_USAGE)
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from quarry.search import Searcher
@@ -251,7 +263,7 @@ def chunk(
     settings = _settings(chunk_tokens=max_tokens, chunk_overlap=overlap)
     if file.is_dir():
         _fail(f"{file}: is a directory; give one file (quarry chunk FILE)", EXIT_USAGE)
-    if not file.is_file():
+    if not file.exists() and not file.is_symlink():
         _fail(f"{file}: no such file", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.chunking import Chunker
@@ -416,7 +428,8 @@ def reindex(
         _preflight(settings)
     from flows import configure_prefect_environment, quiet_quarry_tracebacks
 
-    configure_prefect_environment(settings.data_dir)
+    with _errors_to_exit_codes():
+        configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
     with _errors_to_exit_codes():
         from flows.reindex import reindex_flow
@@ -508,6 +521,12 @@ def parity(
     Exits 1 when parity is not reached (3 when --accept is refused).
     """
     settings = _settings(collection=collection)
+    for flag, url in (
+        ("--candidate-embed-url", candidate_embed_url),
+        ("--candidate-rerank-url", candidate_rerank_url),
+    ):
+        if url is not None and not url.strip().lower().startswith(("http://", "https://")):
+            _fail(f"{flag}: {url!r} is not an http:// or https:// URL", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.parity import accept as record
         from quarry.parity import measure_parity
@@ -579,7 +598,7 @@ def evaluate(
 @app.command()
 def api(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
     """Serve the query API for applications (POST /v1/query, /healthz, /readyz)."""
     settings = _settings()
@@ -589,46 +608,19 @@ def api(
         serve_api(settings, host=host, port=port)
 
 
-@app.command("local-tei")
-def local_tei(
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port (0: any free port).")] = 8001,
-    backend: Annotated[str, typer.Option(help="minilm (real model) or hash.")] = "minilm",
-    dims: Annotated[int, typer.Option(help="hash backend: dimensions.")] = 384,
-    seed: Annotated[
-        int, typer.Option(help="hash backend: seed (another seed, another model).")
-    ] = 0,
-    max_input_length: Annotated[int | None, typer.Option(help="Tokens per input.")] = None,
-    max_client_batch_size: Annotated[int, typer.Option(help="Inputs per request.")] = 32,
-    max_batch_tokens: Annotated[int, typer.Option(help="Tokens per worker step.")] = 16384,
-    max_concurrent_requests: Annotated[int, typer.Option(help="Inputs in flight.")] = 512,
-    latency_ms: Annotated[float, typer.Option(help="Cost of one worker step.")] = 0.0,
-    per_token_us: Annotated[float, typer.Option(help="Extra cost per token.")] = 0.0,
-    fault_rate: Annotated[float, typer.Option(min=0.0, max=1.0, help="Random 429/503.")] = 0.0,
-    api_key: Annotated[str | None, typer.Option(help="Require this Bearer token.")] = None,
-) -> None:
-    """Serve TEI's HTTP API locally (the embedded default's model, or a hash stand-in)."""
-    from quarry.local_tei import LocalTEIConfig, serve
+@app.command(
+    "local-tei",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def local_tei(ctx: typer.Context) -> None:
+    """Serve TEI's HTTP API locally (the embedded default's model, or a hash stand-in).
 
-    if backend not in ("minilm", "hash"):
-        _fail(f"--backend must be minilm or hash, not {backend!r}", EXIT_USAGE)
-    serve(
-        LocalTEIConfig(
-            backend=backend,  # type: ignore[arg-type]
-            host=host,
-            port=port,
-            dims=dims,
-            seed=seed,
-            max_input_length=max_input_length,
-            max_client_batch_size=max_client_batch_size,
-            max_batch_tokens=max_batch_tokens,
-            max_concurrent_requests=max_concurrent_requests,
-            latency_ms=latency_ms,
-            per_token_us=per_token_us,
-            fault_rate=fault_rate,
-            api_key=api_key,
-        )
-    )
+    Takes the options of ``python -m quarry.local_tei``; ``--help`` lists them.
+    """
+    from quarry.local_tei.__main__ import main as serve_local_tei
+
+    serve_local_tei(ctx.args, prog="quarry local-tei")
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ class SourceError(QuarryError):
 
 
 class SourceNotFound(SourceError):
-    """A source path given to ingest does not exist."""
+    """A source path given to ingest does not exist (or has a name quarry cannot use)."""
 
 
 class UnreadableDocument(SourceError):

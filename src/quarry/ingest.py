@@ -612,6 +612,13 @@ def run_sync(
         log.info(note)
     for spec in specs:
         plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
+        if plan.listing is not None and not plan.listing.found:
+            note = (
+                f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
+                "check the path and --include"
+            )
+            report.notes.append(note)
+            log.warning(note)
         seen: set[str] = set()
         failed_uris: set[str] = set()
         pending = _pending_documents(sync, plan, report, seen, failed_uris, max_file_bytes, log)

@@ -28,7 +28,7 @@ import errno
 import io
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,8 +52,10 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "**/.git/**",
     "**/node_modules/**",
     ".venv/**",
+    "**/.venv/**",
     "**/__pycache__/**",
     ".quarry/**",
+    "**/.quarry/**",
 )
 DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # Bump when a loader change alters what an unchanged file loads as: file stamps
@@ -254,10 +256,33 @@ def open_source(
     given = Path(path)
     if not given.exists():
         raise SourceNotFound(str(path), "no such file or directory")
+    resolved = given.resolve()
+    # The folder's name prefixes every uri (and a one-file source's file name ends it).
+    names = (resolved.name,) if given.is_dir() else (resolved.parent.name, resolved.name)
+    if not all(map(_is_utf8, names)):
+        raise SourceNotFound(
+            _printable_name(str(path)), "the name is not valid UTF-8; rename it to index it"
+        )
     if given.is_dir():
         return SourceSpec(given, tuple(include), tuple(exclude))
-    resolved = given.resolve()
     return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
+
+
+def refuse_same_named_sources(specs: Sequence[SourceSpec]) -> None:
+    """Raise ConfigError for two sources with one name in different folders.
+
+    A source's name prefixes its uris, so in one collection each one's sync would
+    delete the other's documents.
+    """
+    roots: dict[str, Path] = {}
+    for spec in specs:
+        other = roots.setdefault(spec.name, spec.root)
+        if other != spec.root:
+            raise ConfigError(
+                f"two sources are named {spec.name!r} ({other} and {spec.root}); a source "
+                "is named after its folder, so their documents would replace each other. "
+                "Ingest them into different collections (--collection)."
+            )
 
 
 @dataclass(frozen=True)
@@ -321,6 +346,9 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
             found.append(_Found(prefix, folder, f"cannot list directory: {exc.strerror or exc}"))
             continue
         for entry in entries:
+            if not _is_utf8(entry.name):
+                _report_undecodable_name(spec, entry, prefix, descend, found)
+                continue
             rel = prefix + entry.name
             path = Path(entry.path)
             try:
@@ -383,6 +411,45 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                 found.append(_Found(rel, path, real=real))
     found.sort(key=lambda item: item.rel)
     yield from found
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name the OS gave as bytes that are not UTF-8 (Python holds them as
+    surrogate escapes, which no uri, JSON log or payload can carry)."""
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable_name(name: str) -> str:
+    """A name that is not UTF-8, printable: each undecodable byte as U+FFFD."""
+    return os.fsencode(name).decode("utf-8", "replace")
+
+
+_UNDECODABLE_FILE = "file name is not valid UTF-8; skipped (rename the file to index it)"
+_UNDECODABLE_FOLDER = (
+    "folder name is not valid UTF-8; its files are skipped (rename the folder to index them)"
+)
+
+
+def _report_undecodable_name(
+    spec: SourceSpec, entry: os.DirEntry[str], prefix: str, descend: bool, found: list[_Found]
+) -> None:
+    """Report a file or folder whose name is not UTF-8 (quarry cannot give it a uri)."""
+    rel = prefix + _printable_name(entry.name)
+    try:
+        is_dir = entry.is_dir()
+    except OSError:
+        is_dir = False
+    if is_dir:
+        if descend and not spec.excludes(rel + "/"):
+            found.append(_Found(rel + "/", Path(entry.path), _UNDECODABLE_FOLDER))
+    elif spec.includes(rel):
+        found.append(_Found(rel, Path(entry.path), _UNDECODABLE_FILE))
 
 
 def discover(spec: SourceSpec) -> Iterator[Path]:
@@ -811,10 +878,14 @@ def load_path(path: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES)
     :class:`UnreadableDocument` if it is a directory or cannot be read as text.
     """
     given = Path(path)
+    if given.is_symlink() and not given.exists():
+        raise UnreadableDocument(str(path), "broken symlink, or a symlink loop")
     if not given.exists():
         raise SourceNotFound(str(path), "no such file or directory")
     if given.is_dir():
         raise UnreadableDocument(str(path), "is a directory, not a file")
+    if not given.is_file():  # opening a FIFO would wait for a writer forever
+        raise UnreadableDocument(str(path), _NOT_REGULAR)
     spec = open_source(given)
     return load_document(given.resolve(), spec, max_file_bytes=max_file_bytes)
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pydantic import SecretStr
 from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings
 from quarry.documents import FileStamp
-from quarry.errors import StoreError, StoreLocked, WriteFailed
+from quarry.errors import ConfigError, StoreError, StoreLocked, WriteFailed
 from quarry.fingerprint import Fingerprint
 
 META_FINGERPRINT = "quarry_fingerprint"
@@ -87,9 +89,14 @@ class CollectionInfo:
 def open_client(settings: Settings) -> QdrantClient:
     """A Qdrant client: a server when ``QUARRY_QDRANT_URL`` is set, else local mode on disk."""
     if settings.qdrant_url:
-        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
-        return QdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
-    settings.qdrant_path.mkdir(parents=True, exist_ok=True)
+        return _server_client(settings.qdrant_url, settings.qdrant_api_key, settings.collection)
+    try:
+        settings.qdrant_path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"QUARRY_DATA_DIR={settings.data_dir}: cannot create {settings.qdrant_path} "
+            f"for local-mode Qdrant: {error.strerror or error}"
+        ) from None
     try:
         client = QdrantClient(path=str(settings.qdrant_path))
         tune_local_storage(client)
@@ -98,6 +105,31 @@ def open_client(settings: Settings) -> QdrantClient:
         if "already accessed" in str(error):
             raise local_mode_locked(settings) from error
         raise
+
+
+def _server_client(url: str, api_key: SecretStr | None, collection: str) -> QdrantClient:
+    """A client for the Qdrant server at ``url``, checked to answer before it is used.
+
+    Without the check, the first call of whatever command fails deep inside
+    qdrant-client with a traceback that never names the setting.
+    """
+    key = api_key.get_secret_value() if api_key else None
+    # qdrant-client warns when it cannot read the server's version; an unreachable
+    # server gets a clearer error below, a reachable one gets its warnings back.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        client = QdrantClient(url=url, api_key=key, timeout=60)
+    try:
+        client.get_collections()
+    except Exception as error:  # transport-specific types (httpx, grpc, HTTP status)
+        client.close()
+        reason = getattr(error, "reason_phrase", None) or str(error) or type(error).__name__
+        raise StoreError(
+            collection, f"Qdrant at {url} (QUARRY_QDRANT_URL) does not answer: {reason}"
+        ) from None
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return client
 
 
 def local_mode_locked(settings: Settings) -> StoreLocked:

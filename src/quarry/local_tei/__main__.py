@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 from collections.abc import Sequence
 
 from ._config import LocalTEIConfig
@@ -41,9 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     """Parse the command line and serve until interrupted."""
     parser = _parser()
+    if prog is not None:
+        parser.prog = prog
     args = parser.parse_args(argv)
     try:
         config = LocalTEIConfig(
@@ -67,7 +70,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as exc:
         parser.error(str(exc))
-    serve(config)
+    try:
+        serve(config)
+    except OSError as exc:
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        parser.exit(1, f"{parser.prog}: cannot listen on {args.host}:{args.port}: {exc.strerror}\n")
 
 
 if __name__ == "__main__":
