@@ -58,6 +58,7 @@ class Harness:
             store,
             embedder,
             chunker or Chunker(64, 8),
+            embed_headings=bool(kwargs.pop("embed_headings", False)),
             max_delete_fraction=0.3,
             allow_serving_change=bool(kwargs.pop("allow_serving_change", False)),
             trust_file_stamps=bool(kwargs.pop("trust_file_stamps", True)),
@@ -286,6 +287,97 @@ def test_points_written_before_chunking_keys_count_as_the_recorded_settings(
     rest = harness.run(chunker=smaller)  # the unkeyed points are the old settings' now
     assert (rest.documents_embedded, rest.documents_skipped) == (len(CORPUS) - 1, 1)
     assert harness.run(chunker=smaller).notes == []  # recorded once every point has the key
+
+
+def _chunk_vectors(harness: Harness) -> dict[tuple[str, int], tuple[Any, list[float]]]:
+    """Each point's payload and vector by (uri, chunk index)."""
+    return {
+        (str(p["payload"]["uri"]), int(p["payload"]["chunk_index"])): (p["payload"], p["vector"])  # type: ignore[index]
+        for p in harness.points().values()
+    }
+
+
+def test_turning_embedded_headings_on_or_off_re_embeds_each_document_once(
+    harness: Harness, tei: LocalTEIServer
+) -> None:
+    first = harness.run()
+    plain = _chunk_vectors(harness)
+    tei.stats.reset()
+    on = harness.run(embed_headings=True)
+    assert (on.documents_embedded, on.documents_skipped) == (len(CORPUS), 0)
+    assert "embed_headings: False -> True" in " ".join(on.notes)
+    # Every chunk was embedded again, and once: the service saw them plus the canary.
+    assert tei.stats.inputs_embedded == on.chunks_embedded + 1 == first.chunks_embedded + 1
+    headed = _chunk_vectors(harness)
+    assert headed.keys() == plain.keys()
+    embedder = EmbeddingClient(harness.url, retry=NO_WAIT)
+    try:
+        for key, (payload, vector) in headed.items():
+            headings = payload["headings"]
+            expected = " > ".join(headings) + "\n\n" + payload["text"] if headings else None
+            if expected is None:  # no headings: the same text, the same vector
+                assert vector == pytest.approx(plain[key][1])
+                continue
+            assert vector != pytest.approx(plain[key][1])
+            (again,) = embedder.embed_raw([embedder.profile.format_passage(expected)])
+            assert vector == pytest.approx(again, abs=1e-6)
+    finally:
+        embedder.close()
+    assert any(payload["headings"] for payload, _ in headed.values())
+    tei.stats.reset()
+    third = harness.run(embed_headings=True, trust_file_stamps=False)
+    assert (third.documents_embedded, third.notes) == (0, [])  # recorded on the collection
+    assert tei.stats.inputs_embedded == 0
+    off = harness.run()
+    assert off.documents_embedded == len(CORPUS)
+    assert "embed_headings: True -> False" in " ".join(off.notes)
+    restored = _chunk_vectors(harness)
+    assert restored.keys() == plain.keys()
+    for key, (_, vector) in restored.items():
+        assert vector == pytest.approx(plain[key][1])
+    assert (harness.run().documents_embedded, harness.run().notes) == (0, [])
+
+
+def test_turning_embedded_headings_on_re_embeds_a_document_once_whichever_run_reaches_it(
+    harness: Harness,
+) -> None:
+    harness.run()
+    one = harness.run(source=harness.root / "beta.md", embed_headings=True)
+    assert one.documents_embedded == 1
+    rest = harness.run(embed_headings=True)
+    assert (rest.documents_embedded, rest.documents_skipped) == (len(CORPUS) - 1, 1)
+    again = harness.run(embed_headings=True)
+    assert (again.documents_embedded, again.notes) == (0, [])
+
+
+def test_the_default_settings_key_is_the_one_made_before_headings_were_keyed(
+    harness: Harness,
+) -> None:
+    import hashlib
+    import json
+
+    from quarry.store import META_CHUNKING
+
+    def sync(embed_headings: bool) -> IndexSync:
+        store = VectorStore(open_client(harness.settings), "test")
+        store.close()  # the constructor reads nothing
+        embedder = EmbeddingClient(harness.url, retry=NO_WAIT)
+        embedder.close()
+        return IndexSync(store, embedder, Chunker(64, 8), embed_headings=embed_headings)
+
+    # How the key was made while it named the chunker's settings alone: an index built
+    # then with headings off must stay current, so the default's key may never change.
+    blob = json.dumps(Chunker(64, 8).settings, sort_keys=True).encode("utf-8")
+    before = hashlib.sha256(blob).hexdigest()[:12]
+    assert sync(False).chunking_key == before
+    assert sync(True).chunking_key != before
+    harness.run()
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+        assert store.metadata()[META_CHUNKING] == Chunker(64, 8).settings
+        assert {p.payload["chunking"] for p in store.scroll()} == {before}  # type: ignore[index]
+    finally:
+        store.close()
 
 
 def test_another_model_is_refused_naming_both(harness: Harness) -> None:

@@ -261,6 +261,28 @@ def test_reindex_of_stored_chunks_keeps_the_chunking_that_made_them(
     assert report.documents_embedded == len(CORPUS)  # re-chunked at 32 now
 
 
+def test_reindex_of_stored_chunks_embeds_headings_as_set_and_records_it(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)  # headings off
+    recorded = index.store.metadata()[META_CHUNKING]
+
+    def headed(store: VectorStore, embed_headings: bool = True) -> IndexSync:
+        return IndexSync(
+            store, index.embedder(new_model.url), Chunker(64, 8), embed_headings=embed_headings
+        )
+
+    report = reindex(index.store, headed)  # its verify re-embeds a sample with headings
+    assert report.switched and report.documents == len(CORPUS)
+    assert index.store.metadata()[META_CHUNKING] == {**recorded, "embed_headings": True}
+    # The reindex embedded the headings and its points say so: a sync with them has
+    # nothing to do, one without them re-embeds every document.
+    same = run_sync(headed(index.store), [open_source(index.corpus)])
+    assert (same.documents_embedded, same.notes) == (0, [])
+    off = run_sync(headed(index.store, False), [open_source(index.corpus)])
+    assert off.documents_embedded == len(CORPUS)
+
+
 def test_prune_keeps_the_rollback_target_and_other_aliases_collections(
     index: Index, tmp_path: Path, old_model: LocalTEIServer, new_model: LocalTEIServer
 ) -> None:

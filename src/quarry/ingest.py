@@ -150,9 +150,11 @@ class IndexSync:
         # Skip reading files whose mtime and size are as indexed (QUARRY_TRUST_FILE_STAMPS).
         self.trust_file_stamps = trust_file_stamps
         self.fingerprint: Fingerprint | None = None
-        # Each point records the chunk settings that made it (``chunking``); points
-        # written before that was recorded were made by the collection's META_CHUNKING.
-        self.chunking_key = chunking_key(chunker.settings)
+        # Each point records the settings that made it (``chunking``: the chunker's and
+        # whether headings were embedded); points written before that was recorded were
+        # made by the collection's META_CHUNKING.
+        self.settings = index_settings(chunker.settings, embed_headings)
+        self.chunking_key = chunking_key(self.settings)
         self.rechunk_all = False  # META_CHUNKING differs: documents re-chunk as syncs reach them
         self._unkeyed_current = True  # whether points without a key have today's settings
         self._requests_at_start = 0
@@ -178,7 +180,7 @@ class IndexSync:
         self._requests_at_start = self.embedder.requests_sent
         if not self.store.exists():
             live = read_fingerprint(self.embedder)
-            self.store.create(live, self.chunker.settings)
+            self.store.create(live, self.settings)
             report.notes.append(
                 f"created collection {self.store.alias!r} for {live.model.describe()}"
             )
@@ -199,13 +201,13 @@ class IndexSync:
         self._check(stored, claimed)
         self._stored = stored
         recorded = metadata.get(META_CHUNKING)
-        if recorded is not None and dict(recorded) != dict(self.chunker.settings):
+        if recorded is not None and dict(recorded) != self.settings:
             self.rechunk_all = True
             self._unkeyed_current = False
             report.notes.append(
-                f"chunking settings changed ({recorded} -> {self.chunker.settings}): each "
-                "document chunked the other way is re-chunked and re-embedded when a sync "
-                "reaches it"
+                f"chunking settings changed ({_changes(recorded, self.settings)}): each "
+                "document made with the old settings is re-chunked and re-embedded when a "
+                "sync reaches it"
             )
         self.fingerprint = claimed
         return claimed
@@ -306,7 +308,8 @@ class IndexSync:
         return self.document_is_current(plan.state.get(document.doc_id), document.doc_hash)
 
     def document_is_current(self, state: DocState | None, doc_hash: str) -> bool:
-        """True when ``state`` is one complete write of ``doc_hash`` with today's chunk settings."""
+        """True when ``state`` is one complete write of ``doc_hash`` with today's settings
+        (chunking and embedded headings)."""
         if state is None or not state.is_current(doc_hash):
             return False
         return all(
@@ -552,13 +555,41 @@ class IndexSync:
                 for state in self.store.index_state().values()
             )
         ):
-            self.store.update_metadata({META_CHUNKING: dict(self.chunker.settings)})
+            self.store.update_metadata({META_CHUNKING: dict(self.settings)})
+
+
+def index_settings(chunking: Mapping[str, Any], embed_headings: bool) -> dict[str, Any]:
+    """The settings that decide a document's points: ``chunking`` (a chunker's settings,
+    or recorded ones) with ``embed_headings`` set as given.
+
+    The field is there only when headings are embedded, so the default's settings, and
+    so its key, are the chunker's alone, as recorded before headings were keyed: an index
+    built then with headings off is current as it is.
+    """
+    settings = {k: v for k, v in chunking.items() if k != "embed_headings"}
+    if embed_headings:
+        settings["embed_headings"] = True
+    return settings
 
 
 def chunking_key(settings: Mapping[str, Any]) -> str:
-    """A short, stable name for chunk settings, recorded in each point's ``chunking``."""
+    """A short, stable name for index settings (:func:`index_settings`), recorded in each
+    point's ``chunking``."""
     blob = json.dumps(dict(settings), sort_keys=True).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """``key: old -> new`` for each setting that differs (``embed_headings`` absent: off)."""
+
+    def value(settings: Mapping[str, Any], key: str) -> Any:
+        return settings.get(key, False if key == "embed_headings" else None)
+
+    return ", ".join(
+        f"{key}: {value(old, key)} -> {value(new, key)}"
+        for key in sorted({*old, *new})
+        if value(old, key) != value(new, key)
+    )
 
 
 def path_prefixes(uri: str) -> list[str]:

@@ -19,7 +19,7 @@ from qdrant_client import models
 from quarry.documents import Chunk, Document
 from quarry.errors import MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
-from quarry.ingest import IndexSync, IngestReport, run_sync
+from quarry.ingest import IndexSync, IngestReport, chunking_key, index_settings, run_sync
 from quarry.sources import SourceSpec
 from quarry.store import META_CHUNKING, CollectionInfo, DocState, VectorStore
 
@@ -231,11 +231,17 @@ def reindex(
         _refuse_lost(store.alias, "the sources given", lost, len(served), max_delete_fraction)
     probe = make_sync(store)
     live: Fingerprint = read_fingerprint(probe.embedder)
-    chunking: Mapping[str, Any] = probe.chunker.settings
+    chunking: Mapping[str, Any] = probe.settings
+    rekey: dict[str, str] = {}
     if not from_source and previous is not None:
-        # The stored chunks are re-embedded as they are: they keep the settings that
-        # made them, so a later sync with other settings still re-chunks them.
-        chunking = store.metadata(previous).get(META_CHUNKING) or chunking
+        # The stored chunks are re-embedded as they are: they keep the chunk settings
+        # that made them, so a later sync with other ones still re-chunks them. Their
+        # text is embedded as today's settings say (headings prepended or not), and
+        # their keys are made to say so.
+        recorded = store.metadata(previous).get(META_CHUNKING)
+        if recorded:
+            chunking = index_settings(recorded, probe.embed_headings)
+        rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
     physical = store.create_physical(live, chunking)
     target = store.view(physical)
     sync = make_sync(target)
@@ -254,7 +260,11 @@ def reindex(
     else:
         sync.prepare(ingest)
         for group in stored_documents(store, interrupted=interrupted, chunkings=chunkings):
-            ingest.add(sync.write_chunked(group, chunkings))
+            keys: dict[str, str | None] = {}
+            for document, _chunks in group:
+                key = chunkings.get(document.doc_id)
+                keys[document.doc_id] = rekey.get(key, key) if key is not None else None
+            ingest.add(sync.write_chunked(group, keys))
             progress(f"re-embedded {ingest.documents_embedded} documents")
     report.documents = ingest.documents_embedded
     report.points = ingest.chunks_embedded
@@ -285,6 +295,22 @@ def reindex(
     report.switched = True
     progress(f"alias {store.alias} -> {physical}")
     return report
+
+
+def _rekey_headings(known: Sequence[Mapping[str, Any]], embed_headings: bool) -> dict[str, str]:
+    """Point keys of the chunk settings in ``known``, with headings embedded or not, to
+    the key of the same chunk settings with ``embed_headings`` as given.
+
+    A key of other settings (a re-chunk was under way with settings since changed
+    again) is not among them and is kept: its document is not current, so the next
+    sync re-chunks it.
+    """
+    table: dict[str, str] = {}
+    for settings in known:
+        target = chunking_key(index_settings(settings, embed_headings))
+        for headings in (False, True):
+            table[chunking_key(index_settings(settings, headings))] = target
+    return table
 
 
 def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: float) -> None:
