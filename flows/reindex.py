@@ -104,6 +104,7 @@ def reindex_flow(
             f"| documents | {report.documents} |\n| points | {report.points} |\n"
             f"| verified sample | {report.verified_sample} "
             f"(min cosine {report.min_sample_cosine:.5f}) |\n"
+            f"| failed (left out) | {len(report.failures)} |\n"
             f"| switched | {report.switched} |\n"
         ),
         key=f"reindex-{report.alias.lower().replace('_', '-')}",

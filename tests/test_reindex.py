@@ -16,6 +16,7 @@ from quarry.errors import (
     FingerprintMismatch,
     MassDeleteRefused,
     Refused,
+    ServiceError,
     ServingChanged,
     StoreError,
 )
@@ -306,3 +307,63 @@ def test_prune_keeps_the_rollback_target_and_other_aliases_collections(
     assert rollback(index.store) == (report.collection, original)
     with pytest.raises(StoreError, match="not built by a reindex"):
         rollback(index.store)
+
+
+def test_reindex_from_source_leaves_out_a_file_ingest_never_indexed(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    # Ingest reports an unreadable file and skips it; a reindex of the same folder
+    # loses nothing the alias serves by skipping it too.
+    (index.corpus / "bin.md").write_bytes(b"\x00\x01binary" * 40)
+    index.ingest(old_model.url)
+    served = index.store.alias_target()
+    uris = {state.uri for state in index.store.index_state().values()}
+    report = reindex(
+        index.store,
+        lambda store: index.sync(new_model.url, store),
+        from_source=[open_source(index.corpus)],
+    )
+    assert report.switched and index.store.alias_target() == report.collection != served
+    assert report.failures == [
+        {"uri": "corpus/bin.md", "error": "binary file (NUL bytes), skipped"}
+    ]  # reported once
+    assert any("never indexed" in note for note in report.notes)
+    assert {state.uri for state in index.store.index_state().values()} == uris
+    assert report.documents == len(CORPUS) and "corpus/bin.md" not in uris
+
+
+def test_reindex_refuses_to_lose_a_served_file_that_became_unreadable(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    served = index.store.alias_target()
+    (index.corpus / "topic3.md").write_bytes(b"\x00\x01binary" * 40)
+    (index.corpus / "new.md").write_bytes(b"\x00never indexed")  # not what refuses
+    with pytest.raises(Refused, match=r"1 document\(s\) failed") as caught:
+        reindex(
+            index.store,
+            lambda store: index.sync(new_model.url, store),
+            from_source=[open_source(index.corpus)],
+        )
+    message = str(caught.value)
+    assert "corpus/topic3.md: binary file" in message and "new.md" not in message
+    assert "was dropped" in message and f"still points at {served}" in message
+    assert index.store.alias_target() == served
+    assert [info.name for info in index.store.collections()] == [served]
+
+
+def test_a_reindex_whose_embedding_service_fails_leaves_no_collection(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    served = index.store.alias_target()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, seed=9)) as going:
+
+        def goes_away(message: str) -> None:
+            if message.startswith("building"):
+                going.stop()  # after the new collection was created
+
+        with pytest.raises(ServiceError):
+            reindex(index.store, lambda store: index.sync(going.url, store), progress=goes_away)
+    assert index.store.alias_target() == served
+    assert [info.name for info in index.store.collections()] == [served]

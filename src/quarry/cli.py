@@ -450,6 +450,8 @@ def reindex(
             f"({report['documents']} documents, {report['points']} points, "
             f"{report['model']['model_id']})"
         )
+        for failure in report["failures"]:
+            typer.echo(f"  failed: {failure['uri']}: {failure['error']}")
 
     _emit(as_json, report, human)
 

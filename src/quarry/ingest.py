@@ -630,12 +630,15 @@ def run_sync(
     submit: Callable[[IndexSync, list[Document]], _Result] = run_inline,
     window: int = 4,
     log: logging.Logger | logging.LoggerAdapter[Any] = logger,
+    load_failures: list[Failure] | None = None,
 ) -> IngestReport:
     """Sync every source into the collection and return the report.
 
     ``submit`` runs one batch of documents and returns something with
     ``result()`` (a Prefect future in the flow); at most ``window`` batches are in
-    flight, so memory stays bounded whatever the corpus size.
+    flight, so memory stays bounded whatever the corpus size. The failures of
+    files that could not be loaded (a part of the report's ``failures``) are also
+    appended to ``load_failures`` when given.
     """
     report = IngestReport(collection=sync.store.alias)
     sync.prepare(report)
@@ -652,7 +655,9 @@ def run_sync(
             log.warning(note)
         seen: set[str] = set()
         failed_uris: set[str] = set()
-        pending = _pending_documents(sync, plan, report, seen, failed_uris, max_file_bytes, log)
+        pending = _pending_documents(
+            sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures
+        )
         in_flight: deque[_Result] = deque()
         for batch in _batches(pending):
             in_flight.append(submit(sync, batch))
@@ -678,6 +683,7 @@ def _pending_documents(
     failed_uris: set[str],
     max_file_bytes: int,
     log: logging.Logger | logging.LoggerAdapter[Any],
+    load_failures: list[Failure] | None = None,
 ) -> Iterator[Document]:
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
 
@@ -698,7 +704,10 @@ def _pending_documents(
         if isinstance(item, LoadFailure):
             log.warning("could not load %s: %s", item.uri, item.error)
             failed_uris.add(_file_uri(item.uri))
-            report.fail([Failure(item.uri, item.error)])
+            failure = Failure(item.uri, item.error)
+            report.fail([failure])
+            if load_failures is not None:
+                load_failures.append(failure)
             continue
         report.documents_seen += 1
         seen.add(item.doc_id)

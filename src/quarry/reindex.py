@@ -19,7 +19,15 @@ from qdrant_client import models
 from quarry.documents import Chunk, Document
 from quarry.errors import MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
-from quarry.ingest import IndexSync, IngestReport, chunking_key, index_settings, run_sync
+from quarry.ingest import (
+    Failure,
+    IndexSync,
+    IngestReport,
+    _file_uri,
+    chunking_key,
+    index_settings,
+    run_sync,
+)
 from quarry.sources import SourceSpec
 from quarry.store import META_CHUNKING, CollectionInfo, DocState, VectorStore
 
@@ -163,7 +171,7 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
         raise StoreError(
             target.alias,
             f"new collection {target.resolve()} holds {count} points, expected "
-            f"{expected_points}; the alias was not switched",
+            f"{expected_points}; the alias was not switched and the collection is dropped",
         )
     # Pieces of a split chunk are left out: their embedded text had part of a prefix.
     ids = [
@@ -196,7 +204,7 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
             target.alias,
             f"new collection {target.resolve()}: a sampled vector re-embeds with cosine "
             f"{lowest:.5f} < 0.999; the embedding service is not deterministic or changed "
-            "during the reindex; the alias was not switched",
+            "during the reindex; the alias was not switched and the collection is dropped",
         )
     return len(records), lowest
 
@@ -244,6 +252,44 @@ def reindex(
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
     physical = store.create_physical(live, chunking)
     target = store.view(physical)
+    try:
+        report = _build(
+            store, target, previous, make_sync, live, from_source, max_file_bytes, progress, rekey
+        )
+        if previous is not None and not allow_mass_delete:
+            _guard_lost_documents(store, target, max_delete_fraction)
+    except BaseException as error:
+        # A build that is refused or broke off is of no use: nothing switches to it,
+        # and a rerun builds another. (One the gate refuses is kept for inspection.)
+        _drop_build(store, physical, error)
+        raise
+    if gate is not None:
+        report.evaluation = gate()
+    target.update_metadata({META_PREVIOUS: previous})
+    store.point_alias(physical)
+    report.switched = True
+    progress(f"alias {store.alias} -> {physical}")
+    return report
+
+
+def _build(
+    store: VectorStore,
+    target: VectorStore,
+    previous: str | None,
+    make_sync: Callable[[VectorStore], IndexSync],
+    live: Fingerprint,
+    from_source: Sequence[SourceSpec],
+    max_file_bytes: int,
+    progress: Callable[[str], None],
+    rekey: Mapping[str, str],
+) -> ReindexReport:
+    """Fill ``target`` (a view of the new collection) from the sources or the stored
+    chunks (their keys mapped by ``rekey``, see :func:`_rekey_headings`), and verify it.
+
+    Raises Refused when a document failed that the new collection cannot leave
+    out; the caller drops the collection on any error.
+    """
+    physical = target.resolve() or ""
     sync = make_sync(target)
     report = ReindexReport(
         alias=store.alias,
@@ -255,8 +301,15 @@ def reindex(
     ingest = IngestReport(collection=physical)
     interrupted: list[str] = []
     chunkings: dict[str, str | None] = {}
+    unloaded: list[Failure] = []
     if from_source:
-        ingest = run_sync(sync, from_source, full_sync=True, max_file_bytes=max_file_bytes)
+        ingest = run_sync(
+            sync,
+            from_source,
+            full_sync=True,
+            max_file_bytes=max_file_bytes,
+            load_failures=unloaded,
+        )
     else:
         sync.prepare(ingest)
         for group in stored_documents(store, interrupted=interrupted, chunkings=chunkings):
@@ -275,25 +328,27 @@ def reindex(
             f"(first: {interrupted[0]}) are carried as they were; the next `quarry ingest` "
             "of their source reads them again"
         )
-    if ingest.failures:
+    skipped, blocking = _sort_failures(store, previous, ingest.failures, unloaded)
+    if blocking:
+        shown = "; ".join(f"{f.uri}: {f.error}" for f in blocking[:5])
+        more = f"; and {len(blocking) - 5} more" if len(blocking) > 5 else ""
+        kept = (
+            f"the alias still points at {previous}"
+            if previous is not None
+            else f"the alias {store.alias!r} was not created"
+        )
         raise Refused(
-            f"reindex into {physical}: {len(ingest.failures)} documents failed (first: "
-            f"{ingest.failures[0].uri}: {ingest.failures[0].error}); the alias still points "
-            f"at {previous}. Fix the cause and run `quarry reindex` again."
+            f"reindex into {physical}: {len(blocking)} document(s) failed that the new "
+            f"collection cannot leave out ({shown}{more}); {physical} was dropped and {kept}. "
+            "Fix the cause and run `quarry reindex` again."
+        )
+    if skipped:
+        report.notes.append(
+            f"{len(skipped)} file(s) that could not be read and were never indexed are left "
+            f"out, as `quarry ingest` left them out (first: {skipped[0].uri}: "
+            f"{skipped[0].error})"
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
-    if previous is not None and not allow_mass_delete:
-        try:
-            _guard_lost_documents(store, target, max_delete_fraction)
-        except MassDeleteRefused:
-            store.drop(physical)  # built from the wrong input: nothing to inspect
-            raise
-    if gate is not None:
-        report.evaluation = gate()
-    target.update_metadata({META_PREVIOUS: previous})
-    store.point_alias(physical)
-    report.switched = True
-    progress(f"alias {store.alias} -> {physical}")
     return report
 
 
@@ -311,6 +366,47 @@ def _rekey_headings(known: Sequence[Mapping[str, Any]], embed_headings: bool) ->
         for headings in (False, True):
             table[chunking_key(index_settings(settings, headings))] = target
     return table
+
+
+def _sort_failures(
+    store: VectorStore,
+    previous: str | None,
+    failures: Sequence[Failure],
+    unloaded: Sequence[Failure],
+) -> tuple[list[Failure], list[Failure]]:
+    """Split a build's failures into (left out, refusing the switch).
+
+    Left out: a file that could not be loaded and has no documents in the
+    collection the alias serves (ingest skipped it too), so the new collection
+    loses nothing by lacking it. Any other failure (a served file now unreadable,
+    a document the embedding service failed) would lose a document: it refuses.
+    """
+    if not failures:
+        return [], []
+    served = (
+        {_file_uri(state.uri) for state in store.index_state().values()}
+        if previous is not None
+        else set()
+    )
+    load_failed = set(unloaded)
+    skipped: list[Failure] = []
+    blocking: list[Failure] = []
+    for failure in failures:
+        if failure in load_failed and _file_uri(failure.uri) not in served:
+            skipped.append(failure)
+        else:
+            blocking.append(failure)
+    return skipped, blocking
+
+
+def _drop_build(store: VectorStore, physical: str, error: BaseException) -> None:
+    """Delete a build nothing will switch to, without hiding why it stopped."""
+    try:
+        store.drop(physical)
+    except Exception as failed:  # the original error matters more
+        error.add_note(
+            f"{physical} could not be dropped ({failed}); `quarry prune` removes it later"
+        )
 
 
 def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: float) -> None:
