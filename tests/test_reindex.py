@@ -3,8 +3,10 @@ two seeds model a model change; another reported version models an engine change
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -367,3 +369,55 @@ def test_a_reindex_whose_embedding_service_fails_leaves_no_collection(
             reindex(index.store, lambda store: index.sync(going.url, store), progress=goes_away)
     assert index.store.alias_target() == served
     assert [info.name for info in index.store.collections()] == [served]
+
+
+def test_reindex_refuses_when_a_folder_with_served_documents_cannot_be_listed(
+    index: Index,
+    old_model: LocalTEIServer,
+    new_model: LocalTEIServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (index.corpus / "private").mkdir()
+    (index.corpus / "private" / "secret.md").write_text("# Secret\n\nServed today.")
+    index.ingest(old_model.url)
+    served = index.store.alias_target()
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path).name == "private":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    # Ingest keeps what lies under a folder it cannot list; a reindex that built
+    # without it must not switch to a collection that lost corpus/private/secret.md.
+    with pytest.raises(Refused, match="corpus/private/: cannot list directory"):
+        reindex(
+            index.store,
+            lambda store: index.sync(new_model.url, store),
+            from_source=[open_source(index.corpus)],
+        )
+    assert index.store.alias_target() == served
+    assert [info.name for info in index.store.collections()] == [served]
+
+
+def test_an_evaluation_gate_that_breaks_off_drops_the_build_and_one_that_refuses_keeps_it(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    served = index.store.alias_target()
+
+    def broken_gate() -> dict[str, Any]:
+        raise ServiceError("http://eval", "went away")
+
+    with pytest.raises(ServiceError):
+        reindex(index.store, lambda store: index.sync(new_model.url, store), gate=broken_gate)
+    assert [info.name for info in index.store.collections()] == [served]
+
+    def refusing_gate() -> dict[str, Any]:
+        raise Refused("nDCG@10 0.1 is below --min-ndcg 0.5")
+
+    with pytest.raises(Refused):
+        reindex(index.store, lambda store: index.sync(new_model.url, store), gate=refusing_gate)
+    assert index.store.alias_target() == served
+    assert len(index.store.collections()) == 2  # kept for inspection, as documented

@@ -618,11 +618,12 @@ def api(
 def local_tei(ctx: typer.Context) -> None:
     """Serve TEI's HTTP API locally (the embedded default's model, or a hash stand-in).
 
-    Takes the options of ``python -m quarry.local_tei``; ``--help`` lists them.
+    Takes the options of ``python -m quarry.local_tei``; ``--help`` lists them. Its
+    port is 8001 unless ``--port`` says otherwise (the module's picks a free one).
     """
     from quarry.local_tei.__main__ import main as serve_local_tei
 
-    serve_local_tei(ctx.args, prog="quarry local-tei")
+    serve_local_tei(ctx.args, prog="quarry local-tei", port=8001)
 
 
 def main() -> None:

@@ -252,21 +252,28 @@ def reindex(
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
     physical = store.create_physical(live, chunking)
     target = store.view(physical)
+    gate_refused = False
     try:
         report = _build(
             store, target, previous, make_sync, live, from_source, max_file_bytes, progress, rekey
         )
         if previous is not None and not allow_mass_delete:
             _guard_lost_documents(store, target, max_delete_fraction)
+        if gate is not None:
+            try:
+                report.evaluation = gate()
+            except Refused:
+                gate_refused = True
+                raise
+        target.update_metadata({META_PREVIOUS: previous})
+        store.point_alias(physical)
     except BaseException as error:
         # A build that is refused or broke off is of no use: nothing switches to it,
-        # and a rerun builds another. (One the gate refuses is kept for inspection.)
-        _drop_build(store, physical, error)
+        # and a rerun builds another. One the gate refuses (--min-ndcg) is kept for
+        # inspection; an evaluation that broke off refused nothing and is dropped.
+        if not gate_refused:
+            _drop_build(store, physical, error)
         raise
-    if gate is not None:
-        report.evaluation = gate()
-    target.update_metadata({META_PREVIOUS: previous})
-    store.point_alias(physical)
     report.switched = True
     progress(f"alias {store.alias} -> {physical}")
     return report
@@ -392,7 +399,10 @@ def _sort_failures(
     skipped: list[Failure] = []
     blocking: list[Failure] = []
     for failure in failures:
-        if failure in load_failed and _file_uri(failure.uri) not in served:
+        uri = _file_uri(failure.uri)
+        # A folder that could not be listed ("docs/sub/") stands for every file under it.
+        lost = any(s.startswith(uri) for s in served) if uri.endswith("/") else uri in served
+        if failure in load_failed and not lost:
             skipped.append(failure)
         else:
             blocking.append(failure)

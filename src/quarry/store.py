@@ -191,15 +191,18 @@ def _one_transaction(client: QdrantClient, collection: str) -> Iterator[None]:
     """Commit local mode's writes to ``collection`` once, on leaving the block.
 
     A commit costs about 0.15 ms even in WAL mode, as much as the rest of a
-    point's write. One transaction per upsert is also what a crash should see:
-    the whole upsert or none of it (the sync re-embeds a document whose points
-    are missing). Does nothing for a server, or if qdrant-client's local
-    internals change.
+    point's write. qdrant-client writes each point to SQLite before it applies
+    it in memory; when the upsert fails midway, what it applied is committed
+    too, so the disk holds what this process's memory holds, as with its own
+    per-point commits. (If the commit itself fails, memory holds points the
+    disk lacks until the process ends; the upsert raises, and the next sync
+    re-embeds those documents.) A process killed mid-upsert leaves none of it.
+    Does nothing for a server, or if qdrant-client's local internals change.
     """
     local = getattr(client, "_client", None)
     aliases = getattr(local, "aliases", None) or {}
     collections = getattr(local, "collections", None) or {}
-    target = collections.get(aliases.get(collection, collection))
+    target = collections.get(collection) or collections.get(aliases.get(collection, ""))
     persistence: Any = getattr(target, "storage", None)
     connection = getattr(persistence, "storage", None)
     if not isinstance(connection, sqlite3.Connection) or connection.in_transaction:
@@ -208,12 +211,13 @@ def _one_transaction(client: QdrantClient, collection: str) -> Iterator[None]:
     persistence.storage = _CommitLater(connection)
     try:
         yield
-        connection.commit()
-    except BaseException:
-        connection.rollback()
-        raise
     finally:
         persistence.storage = connection
+        try:
+            connection.commit()
+        except BaseException:
+            connection.rollback()
+            raise
 
 
 def physical_name(alias: str, model_key: str, when: datetime | None = None) -> str:

@@ -42,11 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
-    """Parse the command line and serve until interrupted."""
+def main(
+    argv: Sequence[str] | None = None, prog: str | None = None, port: int | None = None
+) -> None:
+    """Parse the command line and serve until interrupted (``port``: the default port)."""
     parser = _parser()
     if prog is not None:
         parser.prog = prog
+    if port is not None:
+        parser.set_defaults(port=port)
     args = parser.parse_args(argv)
     try:
         config = LocalTEIConfig(
