@@ -111,7 +111,8 @@ def source_specs(
         globs["include"] = tuple(include)
     if exclude:
         globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
-    specs = [open_source(path, **globs) for path in paths]
+    # A file named but gone is synced too: its documents are removed.
+    specs = [open_source(path, **globs, missing_file_ok=True) for path in paths]
     refuse_same_named_sources(specs)
     return specs
 

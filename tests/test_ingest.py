@@ -15,7 +15,13 @@ from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import CanaryMismatch, FingerprintMismatch, MassDeleteRefused, ServingChanged
+from quarry.errors import (
+    CanaryMismatch,
+    FingerprintMismatch,
+    MassDeleteRefused,
+    ServingChanged,
+    SourceNotFound,
+)
 from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.sources import open_source
@@ -64,7 +70,7 @@ class Harness:
             trust_file_stamps=bool(kwargs.pop("trust_file_stamps", True)),
         )
         try:
-            spec = open_source(source or self.root)
+            spec = open_source(source or self.root, missing_file_ok=True)
             return run_sync(sync, [spec], **kwargs)  # type: ignore[arg-type]
         finally:
             store.close()
@@ -228,6 +234,20 @@ def test_an_emptied_file_synced_alone_loses_its_documents_without_a_refusal(
     assert report.documents_deleted == 1
     uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
     assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
+
+
+def test_a_deleted_file_synced_alone_loses_its_documents(harness: Harness) -> None:
+    harness.run()
+    (harness.root / "alpha.md").unlink()
+    # `quarry ingest corpus/alpha.md` after the file was deleted: the deletion is synced.
+    report = harness.run(source=harness.root / "alpha.md")
+    assert (report.documents_seen, report.documents_deleted) == (0, 1)
+    assert report.notes == []  # not "no file to index": the file was named, and is gone
+    uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
+    assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
+    # Gone and never indexed (a typo, or synced already): refused, naming it.
+    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file, and nothing indexed"):
+        harness.run(source=harness.root / "alpha.md")
 
 
 def test_a_service_error_names_each_document_once() -> None:

@@ -160,12 +160,13 @@ def ingest(
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
     settings = _settings(collection=collection)
     for path in paths:
-        if not path.exists():
+        # A file that is gone is still a source: syncing it removes its documents.
+        if not path.exists() and not path.parent.is_dir():
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.sources import open_source, refuse_same_named_sources
 
-        refuse_same_named_sources([open_source(path) for path in paths])
+        refuse_same_named_sources([open_source(p, missing_file_ok=True) for p in paths])
         _preflight(settings)
     from flows import configure_prefect_environment, quiet_quarry_tracebacks
 

@@ -25,7 +25,7 @@ from qdrant_client import models
 from quarry.chunking import Chunker
 from quarry.documents import Chunk, Document, point_id
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
-from quarry.errors import MassDeleteRefused, QuarryError
+from quarry.errors import MassDeleteRefused, QuarryError, SourceNotFound
 from quarry.fingerprint import (
     Fingerprint,
     build_fingerprint,
@@ -256,6 +256,10 @@ class IndexSync:
             # One file of a folder: the folder's other files are not this sync's business.
             own = spec.uri_prefix + spec.file
             state = {k: doc for k, doc in state.items() if _file_uri(doc.uri) == own}
+            path = spec.root / spec.file
+            if not state and not path.exists() and not path.is_symlink():
+                # Gone and never indexed: most likely a typo, not a deletion to sync.
+                raise SourceNotFound(str(path), "no such file, and nothing indexed from it")
         files: dict[str, list[DocState]] = {}
         for doc in state.values():
             files.setdefault(_file_uri(doc.uri), []).append(doc)
@@ -646,7 +650,7 @@ def run_sync(
         log.info(note)
     for spec in specs:
         plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
-        if plan.listing is not None and not plan.listing.found:
+        if spec.file is None and plan.listing is not None and not plan.listing.found:
             note = (
                 f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
                 "check the path and --include"

@@ -247,13 +247,24 @@ def open_source(
     path: str | Path,
     include: tuple[str, ...] = DEFAULT_INCLUDE,
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
+    *,
+    missing_file_ok: bool = False,
 ) -> SourceSpec:
     """A source for a directory, or for one file (root = its directory, include = that file;
     a sync of it adds, updates or removes that file's documents only).
 
-    Raises :class:`SourceNotFound` naming the path if it does not exist.
+    Raises :class:`SourceNotFound` naming the path if it does not exist, unless
+    ``missing_file_ok`` and its folder exists: then it is a one-file source whose
+    file is gone (a sync of it removes that file's documents, if any were indexed).
     """
     given = Path(path)
+    if not given.exists() and missing_file_ok and given.parent.is_dir():
+        resolved = given.parent.resolve() / given.name
+        if not all(map(_is_utf8, (resolved.parent.name, resolved.name))):
+            raise SourceNotFound(
+                _printable_name(str(path)), "the name is not valid UTF-8; rename it to index it"
+            )
+        return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
     if not given.exists():
         raise SourceNotFound(str(path), "no such file or directory")
     resolved = given.resolve()
