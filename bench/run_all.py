@@ -64,7 +64,27 @@ def run_one(name: str, extra: list[str]) -> dict[str, Any]:
         lines.append(line)
     code = process.wait()
     (OUT / f"{name}.txt").write_text("".join(lines))
-    return {"name": name, "exit": code, "seconds": round(time.monotonic() - started, 1)}
+    return {
+        "name": name,
+        "exit": code,
+        "seconds": round(time.monotonic() - started, 1),
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+RUNS = OUT / "runs.json"
+
+
+def record_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge ``runs`` into what earlier runs recorded (one entry per benchmark, the
+    latest wins), so a page rebuilt after ``--only`` still lists every benchmark."""
+    known: dict[str, dict[str, Any]] = {}
+    if RUNS.exists():
+        known = {r["name"]: r for r in json.loads(RUNS.read_text())}
+    known.update({r["name"]: r for r in runs})
+    merged = [known[name] for name in sorted(known)]
+    RUNS.write_text(json.dumps(merged, indent=2))
+    return merged
 
 
 # -- reading results --------------------------------------------------------------------------
@@ -277,8 +297,11 @@ def render(runs: list[dict[str, Any]] | None) -> str:
         "",
     ]
     if runs:
-        lines += ["| benchmark | exit | seconds |", "|---|---:|---:|"]
-        lines += [f"| {r['name']} | {r['exit']} | {r['seconds']} |" for r in runs]
+        lines += ["| benchmark | exit | seconds | last run |", "|---|---:|---:|---|"]
+        lines += [
+            f"| {r['name']} | {r['exit']} | {r.get('seconds') or '-'} | {r.get('finished', '-')} |"
+            for r in runs
+        ]
         lines.append("")
     if saturation:
         lines += _saturation_section(saturation, "embed_saturation.png" in drawn)
@@ -711,16 +734,16 @@ def main() -> None:
     if args.draw:
         draw(args.draw)
         return
-    runs: list[dict[str, Any]] | None = None
+    runs: list[dict[str, Any]] = []
     if not args.render_only:
-        runs = []
         for name in benchmarks():
             if (args.only is not None and name not in args.only) or name in args.skip:
                 continue
             extra = ["--flow"] if name == "ingest_throughput" and args.flow else []
             runs.append(run_one(name, extra))
+    OUT.mkdir(parents=True, exist_ok=True)
     DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(render(runs))
+    DOC.write_text(render(record_runs(runs)))
     log(f"wrote {DOC}")
 
 
