@@ -318,6 +318,8 @@ def _syntax_error(body: bytes, exc: ValueError) -> BodyRejected:
         lineno = getattr(exc, "lineno", 1)
         colno = getattr(exc, "colno", 1)
         msg = getattr(exc, "msg", str(exc))
+        if msg in ("unexpected content after document", "Extra data"):
+            msg = "trailing characters"  # serde_json's words for it
         detail = f"{msg} at line {lineno} column {colno}"
     return BodyRejected(400, f"Failed to parse the request body as JSON: {detail}")
 
@@ -327,6 +329,26 @@ def loads(body: bytes) -> Any:
     if _orjson is not None:
         return _orjson.loads(body)
     return json.loads(body)
+
+
+def _duplicate_field(body: bytes, struct: Struct) -> str | None:
+    """The first field of ``struct`` the top-level object names twice (serde refuses
+    that; a JSON parser keeps the last). Parsed again only when a name occurs twice."""
+    if not any(body.count(b'"%s"' % name.encode()) > 1 for name in struct.fields):
+        return None
+    top: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        top.append(pairs)  # the outermost object is the last one completed
+        return dict(pairs)
+
+    json.loads(body, object_pairs_hook=keep)
+    seen: set[str] = set()
+    for key, _ in top[-1] if top else []:
+        if key in struct.fields and key in seen:
+            return key
+        seen.add(key)
+    return None
 
 
 def parse_body(body: bytes, struct: Struct) -> dict[str, Any]:
@@ -342,6 +364,9 @@ def parse_body(body: bytes, struct: Struct) -> dict[str, Any]:
         raise _deserialize_error(
             body, "", f"invalid type: {_describe(document)}, expected struct {struct.name}"
         )
+    duplicate = _duplicate_field(body, struct)
+    if duplicate is not None:
+        raise _deserialize_error(body, "", f"duplicate field `{duplicate}`")
     out: dict[str, Any] = {}
     try:
         # serde visits fields in document order, so the first bad value wins...
