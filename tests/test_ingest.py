@@ -246,8 +246,56 @@ def test_a_deleted_file_synced_alone_loses_its_documents(harness: Harness) -> No
     uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
     assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
     # Gone and never indexed (a typo, or synced already): refused, naming it.
-    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file, and nothing indexed"):
+    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file, and no document of"):
         harness.run(source=harness.root / "alpha.md")
+
+
+def test_a_typo_for_a_file_is_refused_before_anything_is_created(harness: Harness) -> None:
+    with pytest.raises(SourceNotFound, match=r"no document of 'corpus/alpah\.md' is indexed"):
+        harness.run(source=harness.root / "alpah.md")
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+        assert not store.exists()  # no collection, so no model fixed by a typo
+    finally:
+        store.close()
+
+
+def test_a_deleted_file_named_after_its_folder_is_synced_once_without_an_error(
+    harness: Harness,
+) -> None:
+    harness.run()
+    (harness.root / "alpha.md").unlink()
+    store = VectorStore(open_client(harness.settings), "test")
+    embedder = EmbeddingClient(harness.url, retry=NO_WAIT)
+    try:
+        sync = IndexSync(store, embedder, Chunker(64, 8), max_delete_fraction=0.3)
+        specs = [
+            open_source(harness.root),
+            open_source(harness.root / "alpha.md", missing_file_ok=True),
+        ]
+        # The folder's sync deletes alpha.md first; the file's own source then finds
+        # nothing left to do, which is no error: the deletion asked for is done.
+        report = run_sync(sync, specs)
+    finally:
+        store.close()
+        embedder.close()
+    assert report.documents_deleted == 1
+
+
+def test_a_file_with_a_hash_sign_in_its_name_is_skipped_unchanged_and_deleted(
+    harness: Harness,
+) -> None:
+    odd = harness.root / "a#b.md"
+    odd.write_text("# Hash\n\nA file whose name has a hash sign.")
+    past = time.time_ns() - 10 * 10**9
+    os.utime(odd, ns=(past, past))
+    first = harness.run(source=odd)
+    assert first.documents_embedded == 1
+    again = harness.run(source=odd)
+    assert (again.documents_embedded, again.files_unread) == (0, 1)
+    odd.unlink()
+    gone = harness.run(source=odd)
+    assert gone.documents_deleted == 1
 
 
 def test_a_service_error_names_each_document_once() -> None:

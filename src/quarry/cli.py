@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -166,8 +166,16 @@ def ingest(
     with _errors_to_exit_codes():
         from quarry.sources import open_source, refuse_same_named_sources
 
-        refuse_same_named_sources([open_source(p, missing_file_ok=True) for p in paths])
+        specs = [open_source(p, missing_file_ok=True) for p in paths]
+        refuse_same_named_sources(specs)
         _preflight(settings)
+        if not all(path.exists() for path in paths):
+            # A named file that is gone: refuse a typo before Prefect starts.
+            from quarry.ingest import refuse_unknown_missing_files
+            from quarry.store import VectorStore, open_client
+
+            with closing(VectorStore(open_client(settings), settings.collection)) as store:
+                refuse_unknown_missing_files(store, specs)
     from flows import configure_prefect_environment, quiet_quarry_tracebacks
 
     with _errors_to_exit_codes():

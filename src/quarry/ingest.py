@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -256,10 +257,6 @@ class IndexSync:
             # One file of a folder: the folder's other files are not this sync's business.
             own = spec.uri_prefix + spec.file
             state = {k: doc for k, doc in state.items() if _file_uri(doc.uri) == own}
-            path = spec.root / spec.file
-            if not state and not path.exists() and not path.is_symlink():
-                # Gone and never indexed: most likely a typo, not a deletion to sync.
-                raise SourceNotFound(str(path), "no such file, and nothing indexed from it")
         files: dict[str, list[DocState]] = {}
         for doc in state.values():
             files.setdefault(_file_uri(doc.uri), []).append(doc)
@@ -602,9 +599,43 @@ def path_prefixes(uri: str) -> list[str]:
     return ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
 
 
+_PAGE_SUFFIX = re.compile(r"#page=\d+\Z")
+
+
+def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]) -> None:
+    """Raise SourceNotFound for a one-file source whose file is gone and was never indexed.
+
+    A named file that is gone is synced (its documents are deleted); one that is
+    neither on disk nor in the index is most likely a typo. Checked for every
+    source before anything is created or written.
+    """
+    missing = [
+        spec
+        for spec in specs
+        if spec.file is not None
+        and not (spec.root / spec.file).exists()
+        and not (spec.root / spec.file).is_symlink()
+    ]
+    if not missing:
+        return
+    indexed: dict[str, set[str]] = {}
+    for spec in missing:
+        if spec.name not in indexed:
+            state = store.index_state(spec.name) if store.exists() else {}
+            indexed[spec.name] = {_file_uri(doc.uri) for doc in state.values()}
+        uri = f"{spec.uri_prefix}{spec.file}"
+        if uri not in indexed[spec.name]:
+            raise SourceNotFound(
+                str(spec.root / str(spec.file)),
+                f"no such file, and no document of {uri!r} is indexed (a file synced "
+                "alone is named after its own folder)",
+            )
+
+
 def _file_uri(uri: str) -> str:
-    """The file part of a document uri (PDF pages are ``file.pdf#page=N``)."""
-    return uri.split("#", 1)[0]
+    """The file part of a document uri (PDF pages are ``file.pdf#page=N``; a ``#`` in a
+    file's own name is part of it)."""
+    return _PAGE_SUFFIX.sub("", uri)
 
 
 class _Result(Protocol):
@@ -644,6 +675,7 @@ def run_sync(
     files that could not be loaded (a part of the report's ``failures``) are also
     appended to ``load_failures`` when given.
     """
+    refuse_unknown_missing_files(sync.store, specs)
     report = IngestReport(collection=sync.store.alias)
     sync.prepare(report)
     for note in report.notes:
