@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,3 +38,16 @@ def write_corpus(root: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return root
+
+
+def fail_listing(monkeypatch: pytest.MonkeyPatch, folder: str) -> None:
+    """Make every folder named ``folder`` unlistable for quarry's loader (permission
+    bits do not stop root, which the tests may run as)."""
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if Path(path).name == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr("quarry.sources.os.scandir", scandir)

@@ -26,7 +26,7 @@ from quarry.ingest import IndexSync, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.sources import open_source
 from quarry.store import VectorStore, open_client
-from tests.conftest import write_corpus
+from tests.conftest import fail_listing, write_corpus
 
 CORPUS = {
     "alpha.md": "# Alpha\n\nAlpha is the first letter. " * 20,
@@ -191,14 +191,7 @@ def test_a_folder_that_cannot_be_listed_keeps_its_documents(
 ) -> None:
     harness.run()
     before = harness.points()
-    real_scandir = os.scandir
-
-    def scandir(path: Any) -> Any:
-        if Path(path).name == "notes":
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_scandir(path)
-
-    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    fail_listing(monkeypatch, "notes")
     # Half the source lies under notes/: neither refused as a mass delete nor deleted.
     report = harness.run()
     assert [f.uri for f in report.failures] == ["corpus/notes/"]

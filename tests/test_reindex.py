@@ -3,7 +3,6 @@ two seeds model a model change; another reported version models an engine change
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from quarry.reindex import INTERRUPTED_WRITE, prune, reindex, rollback
 from quarry.search import Searcher
 from quarry.sources import open_source
 from quarry.store import META_CHUNKING, VectorStore, open_client
-from tests.conftest import write_corpus
+from tests.conftest import fail_listing, write_corpus
 
 CORPUS = {
     f"topic{i}.md": f"# Topic {i}\n\n" + f"Facts about subject number {i}. " * (20 + 5 * i)
@@ -381,14 +380,7 @@ def test_reindex_refuses_when_a_folder_with_served_documents_cannot_be_listed(
     (index.corpus / "private" / "secret.md").write_text("# Secret\n\nServed today.")
     index.ingest(old_model.url)
     served = index.store.alias_target()
-    real_scandir = os.scandir
-
-    def scandir(path: Any) -> Any:
-        if Path(path).name == "private":
-            raise PermissionError(13, "Permission denied", str(path))
-        return real_scandir(path)
-
-    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    fail_listing(monkeypatch, "private")
     # Ingest keeps what lies under a folder it cannot list; a reindex that built
     # without it must not switch to a collection that lost corpus/private/secret.md.
     with pytest.raises(Refused, match="corpus/private/: cannot list directory"):
