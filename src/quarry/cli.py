@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 from pydantic import ValidationError
 
-from quarry.config import Settings, describe_invalid, get_settings
+from quarry.config import Settings, describe_invalid, get_settings, http_url
 from quarry.errors import ConfigError, QuarryError, Refused, SourceNotFound
 
 if TYPE_CHECKING:
@@ -536,8 +536,11 @@ def parity(
         ("--candidate-embed-url", candidate_embed_url),
         ("--candidate-rerank-url", candidate_rerank_url),
     ):
-        if url is not None and not url.strip().lower().startswith(("http://", "https://")):
-            _fail(f"{flag}: {url!r} is not an http:// or https:// URL", EXIT_USAGE)
+        try:
+            if url is not None:
+                http_url(url)
+        except ValueError as error:
+            _fail(f"{flag}: {error}", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.parity import accept as record
         from quarry.parity import measure_parity

@@ -82,10 +82,7 @@ class Settings(BaseSettings):
     def _strip_trailing_slash(cls, value: str | None) -> str | None:
         if value is None or not value.strip():
             return None
-        url = value.strip().rstrip("/")
-        if not url.lower().startswith(("http://", "https://")):
-            raise ValueError(f"{url!r} is not an http:// or https:// URL")
-        return url
+        return http_url(value)
 
     @model_validator(mode="after")
     def _overlap_below_size(self) -> Settings:
@@ -101,6 +98,14 @@ class Settings(BaseSettings):
     def qdrant_path(self) -> Path:
         """Where local-mode Qdrant keeps its files."""
         return self.data_dir / "qdrant"
+
+
+def http_url(value: str) -> str:
+    """``value`` as a service URL (trimmed, no trailing slash); ValueError unless http(s)."""
+    url = value.strip().rstrip("/")
+    if not url.lower().startswith(("http://", "https://")):
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    return url
 
 
 def describe_invalid(error: ValidationError) -> str:
