@@ -231,10 +231,12 @@ def reindex(
     previous = store.alias_target()
     if previous is None and not from_source:
         raise StoreError(store.alias, "does not exist; nothing to reindex (use --from-source PATH)")
+    # What the alias serves, read once: the collection does not change while a
+    # new one is built beside it.
+    served = store.index_state() if previous is not None else {}
     if from_source and previous is not None and not allow_mass_delete:
         # Documents of a source not given are lost for certain: refuse before building.
         given = {spec.name for spec in from_source}
-        served = store.index_state()
         lost = [state for state in served.values() if state.uri.split("/", 1)[0] not in given]
         _refuse_lost(store.alias, "the sources given", lost, len(served), max_delete_fraction)
     probe = make_sync(store)
@@ -255,10 +257,19 @@ def reindex(
     gate_refused = False
     try:
         report = _build(
-            store, target, previous, make_sync, live, from_source, max_file_bytes, progress, rekey
+            store,
+            target,
+            previous,
+            served,
+            make_sync,
+            live,
+            from_source,
+            max_file_bytes,
+            progress,
+            rekey,
         )
         if previous is not None and not allow_mass_delete:
-            _guard_lost_documents(store, target, max_delete_fraction)
+            _guard_lost_documents(store.alias, served, target, max_delete_fraction)
         if gate is not None:
             try:
                 report.evaluation = gate()
@@ -283,6 +294,7 @@ def _build(
     store: VectorStore,
     target: VectorStore,
     previous: str | None,
+    served: Mapping[str, DocState],
     make_sync: Callable[[VectorStore], IndexSync],
     live: Fingerprint,
     from_source: Sequence[SourceSpec],
@@ -335,7 +347,7 @@ def _build(
             f"(first: {interrupted[0]}) are carried as they were; the next `quarry ingest` "
             "of their source reads them again"
         )
-    skipped, blocking = _sort_failures(store, previous, ingest.failures, unloaded)
+    skipped, blocking = _sort_failures(served, ingest.failures, unloaded)
     if blocking:
         shown = "; ".join(f"{f.uri}: {f.error}" for f in blocking[:5])
         more = f"; and {len(blocking) - 5} more" if len(blocking) > 5 else ""
@@ -376,8 +388,7 @@ def _rekey_headings(known: Sequence[Mapping[str, Any]], embed_headings: bool) ->
 
 
 def _sort_failures(
-    store: VectorStore,
-    previous: str | None,
+    served: Mapping[str, DocState],
     failures: Sequence[Failure],
     unloaded: Sequence[Failure],
 ) -> tuple[list[Failure], list[Failure]]:
@@ -390,18 +401,18 @@ def _sort_failures(
     """
     if not failures:
         return [], []
-    served = (
-        {_file_uri(state.uri) for state in store.index_state().values()}
-        if previous is not None
-        else set()
-    )
+    served_files = {_file_uri(state.uri) for state in served.values()}
     load_failed = set(unloaded)
     skipped: list[Failure] = []
     blocking: list[Failure] = []
     for failure in failures:
         uri = _file_uri(failure.uri)
         # A folder that could not be listed ("docs/sub/") stands for every file under it.
-        lost = any(s.startswith(uri) for s in served) if uri.endswith("/") else uri in served
+        lost = (
+            any(s.startswith(uri) for s in served_files)
+            if uri.endswith("/")
+            else uri in served_files
+        )
         if failure in load_failed and not lost:
             skipped.append(failure)
         else:
@@ -419,13 +430,14 @@ def _drop_build(store: VectorStore, physical: str, error: BaseException) -> None
         )
 
 
-def _guard_lost_documents(store: VectorStore, target: VectorStore, fraction: float) -> None:
+def _guard_lost_documents(
+    alias: str, served: Mapping[str, DocState], target: VectorStore, fraction: float
+) -> None:
     """Refuse a new collection that lacks too many of the documents the alias serves."""
-    served = store.index_state()
     kept = target.index_state().keys()
     lost = [state for doc_id, state in served.items() if doc_id not in kept]
     what = f"the new collection {target.resolve()} (dropped)"
-    _refuse_lost(store.alias, what, lost, len(served), fraction)
+    _refuse_lost(alias, what, lost, len(served), fraction)
 
 
 def _refuse_lost(
