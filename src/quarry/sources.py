@@ -258,23 +258,20 @@ def open_source(
     file is gone (a sync of it removes that file's documents, if any were indexed).
     """
     given = Path(path)
-    if not given.exists() and missing_file_ok and given.parent.is_dir():
+    if given.exists():
+        resolved = given.resolve()
+    elif missing_file_ok and given.parent.is_dir():
         resolved = given.parent.resolve() / given.name
-        if not all(map(_is_utf8, (resolved.parent.name, resolved.name))):
-            raise SourceNotFound(
-                _printable_name(str(path)), "the name is not valid UTF-8; rename it to index it"
-            )
-        return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
-    if not given.exists():
+    else:
         raise SourceNotFound(str(path), "no such file or directory")
-    resolved = given.resolve()
+    folder = given.is_dir()
     # The folder's name prefixes every uri (and a one-file source's file name ends it).
-    names = (resolved.name,) if given.is_dir() else (resolved.parent.name, resolved.name)
+    names = (resolved.name,) if folder else (resolved.parent.name, resolved.name)
     if not all(map(_is_utf8, names)):
         raise SourceNotFound(
             _printable_name(str(path)), "the name is not valid UTF-8; rename it to index it"
         )
-    if given.is_dir():
+    if folder:
         return SourceSpec(given, tuple(include), tuple(exclude))
     return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
 

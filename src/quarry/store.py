@@ -178,11 +178,7 @@ class _CommitLater:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> sqlite3.Cursor:
-        """Run ``sql`` on the real connection."""
-        return self.connection.execute(sql, parameters)
-
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # execute and the rest: the real connection's
         return getattr(self.connection, name)
 
 
