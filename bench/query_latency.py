@@ -68,6 +68,8 @@ def build_collection(data_dir: Path, tei_url: str, points: int) -> int:
 
     Reused when ``data_dir`` already holds one of that size made by the same model.
     """
+    from qdrant_client import models
+
     from quarry._http import NO_WAIT
     from quarry.chunking import Chunker
     from quarry.config import Settings
@@ -95,7 +97,11 @@ def build_collection(data_dir: Path, tei_url: str, points: int) -> int:
             stored = store.fingerprint()
             live = read_fingerprint(embedder)
             same_model = stored is not None and stored.model_key == live.model_key
-            if same_model and store.count() == points:
+            # Collections are made for dot product now; one made for cosine by an
+            # earlier build is searched more slowly in local mode, so it is rebuilt.
+            vectors = store.client.get_collection(store.resolve() or ALIAS).config.params.vectors
+            current = getattr(vectors, "distance", None) == models.Distance.DOT
+            if same_model and current and store.count() == points:
                 log(f"reusing the collection of {points:,} chunks in {data_dir}")
                 return points
         log(f"building a collection of {points:,} chunks in {data_dir} ...")

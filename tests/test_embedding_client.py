@@ -13,7 +13,7 @@ import pytest
 
 from quarry._http import NO_WAIT, RetryPolicy
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
-from quarry.errors import DialectMismatch, RequestRejected, ServiceUnavailable
+from quarry.errors import BadResponse, DialectMismatch, RequestRejected, ServiceUnavailable
 from quarry.rerank import RerankClient
 
 URL = "http://tei.test"
@@ -142,6 +142,39 @@ def test_vectors_come_back_in_input_order_decoded_from_base64() -> None:
     for text, result in zip(texts, results, strict=True):
         assert isinstance(result, list)
         assert result[0].vector == pytest.approx(_vector(text), abs=1e-6)
+
+
+def _answer_with(rows: list[object]) -> Callable[[httpx2.Request], httpx2.Response | None]:
+    """A script that answers every embedding request with ``rows``, as given."""
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path != "/v1/embeddings":
+            return None
+        data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(rows)]
+        return httpx2.Response(200, json={"object": "list", "data": data, "model": "m"})
+
+    return script
+
+
+def _b64(values: list[float]) -> str:
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
+def test_vectors_are_scaled_to_unit_length_whatever_the_service_sends() -> None:
+    # Collections rank by dot product (store.py): a service that does not normalise
+    # (float lists or base64) must still give unit vectors; a zero vector stays zero.
+    fake = FakeTEI(script=_answer_with([[3.0, 4.0], _b64([0.0, 2.0]), [0.0, 0.0]]))
+    vectors = _client(fake).embed_raw(["a", "b", "c"])
+    assert vectors[0] == pytest.approx([0.6, 0.8], abs=1e-6)
+    assert vectors[1] == pytest.approx([0.0, 1.0], abs=1e-6)
+    assert vectors[2] == [0.0, 0.0]
+
+
+def test_embeddings_of_different_lengths_are_a_bad_response_naming_the_url() -> None:
+    fake = FakeTEI(script=_answer_with([[1.0, 0.0], [1.0, 0.0, 0.0]]))
+    with pytest.raises(BadResponse, match="equal-length") as caught:
+        _client(fake).embed_raw(["a", "b"])
+    assert URL in str(caught.value)
 
 
 def test_transient_failures_are_retried_then_succeed() -> None:

@@ -45,6 +45,27 @@ def test_two_rebuilds_in_one_second_get_distinct_names(tmp_path: Path) -> None:
         store.close()
 
 
+def test_collections_rank_unit_vectors_by_dot_product_and_queries_at_any_scale(
+    tmp_path: Path,
+) -> None:
+    # Dot product, not cosine: local mode re-normalises every stored vector on each
+    # cosine query. The query is scaled to unit length, so scores stay cosines.
+    store = VectorStore(open_client(Settings(data_dir=tmp_path, collection="kb")), "kb")
+    try:
+        physical = store.create(_fingerprint(), {})
+        vectors = store.client.get_collection(physical).config.params.vectors
+        assert isinstance(vectors, models.VectorParams)
+        assert vectors.distance == models.Distance.DOT
+        near, far = _point("near", 0, 1, "s"), _point("far", 0, 1, "s")
+        near.vector, far.vector = [0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]
+        store.upsert([near, far])
+        hits = store.search([3.0, 4.0, 0.0, 0.0], 2)
+        assert [hit.payload["doc_id"] for hit in hits] == ["near", "far"]  # type: ignore[index]
+        assert [hit.score for hit in hits] == pytest.approx([1.0, 0.0], abs=1e-6)
+    finally:
+        store.close()
+
+
 def _point(doc: str, index: int, count: int, source: str) -> models.PointStruct:
     return models.PointStruct(
         id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"{doc}/{index}")),

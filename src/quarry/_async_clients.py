@@ -33,6 +33,7 @@ from quarry.embeddings import (
     EmbedDialect,
     ServiceInfo,
     _decode_openai,
+    unit_rows,
 )
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
 from quarry.fingerprint import CANARY_TEXT, Fingerprint, build_fingerprint
@@ -45,7 +46,7 @@ from quarry.rerank import (
     _parse_scores,
     query_too_long,
 )
-from quarry.store import META_FINGERPRINT, CollectionInfo, local_mode_locked
+from quarry.store import META_FINGERPRINT, CollectionInfo, local_mode_locked, unit_vector
 
 T = TypeVar("T")
 
@@ -276,7 +277,7 @@ class AsyncEmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings")
-        return [list(map(float, row)) for row in body]
+        return unit_rows(url, body)
 
     async def _post_openai(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
         url = f"{self.base_url}/v1/embeddings"
@@ -616,7 +617,7 @@ class AsyncStore:
         """Nearest points by cosine, searched through the alias (Qdrant resolves it)."""
         response = await self.client.query_points(
             self.alias,
-            query=list(vector),
+            query=unit_vector(vector),
             limit=limit,
             query_filter=query_filter,
             with_payload=True,

@@ -5,6 +5,10 @@ formatted here and nowhere else. Requests are sized from the service's
 ``/info`` limits, sent a few at a time, retried only when the failure is
 transient, and an input the service finds too long is split and embedded in
 parts, never truncated.
+
+Every vector the clients return has unit length, whatever the service sends
+(TEI normalises by default; other engines may not): quarry's collections rank by
+dot product, which for unit vectors is the cosine (see :mod:`quarry.store`).
 """
 
 from __future__ import annotations
@@ -500,7 +504,7 @@ class EmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)
-        return [list(map(float, row)) for row in body]
+        return unit_rows(url, body, documents)
 
     def _post_openai(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
         url = f"{self.base_url}/v1/embeddings"
@@ -555,21 +559,45 @@ class EmbeddingClient:
 def _decode_openai(
     url: str, body: Any, expected: int, documents: Sequence[str]
 ) -> list[list[float]]:
-    """Vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
+    """Unit vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or len(data) != expected:
         raise BadResponse(url, f"expected {expected} embeddings in 'data'", documents=documents)
-    rows: list[list[float]] = [[] for _ in range(expected)]
+    rows: list[Any] = [None] * expected
     for position, item in enumerate(data):
         index = int(item.get("index", position))
         embedding = item.get("embedding")
         if isinstance(embedding, str):
-            rows[index] = np.frombuffer(base64.b64decode(embedding), dtype="<f4").tolist()
+            rows[index] = np.frombuffer(base64.b64decode(embedding), dtype="<f4")
         elif isinstance(embedding, list):
-            rows[index] = [float(x) for x in embedding]
+            rows[index] = embedding
         else:
             raise BadResponse(url, "embedding is neither a list nor base64", documents=documents)
-    return rows
+    return unit_rows(url, rows, documents)
+
+
+def unit_rows(url: str, rows: Sequence[Any], documents: Sequence[str] = ()) -> list[list[float]]:
+    """``rows`` (float lists or arrays, one per input) scaled to unit length, as lists.
+
+    A zero vector stays zero. Rows of different lengths, or not numbers, are a
+    BadResponse: one model gives every input the same number of dimensions.
+    """
+    if not rows:
+        return []
+    try:
+        matrix = np.asarray(rows, dtype=np.float32)
+    except (TypeError, ValueError) as error:
+        raise BadResponse(
+            url, f"embeddings are not equal-length lists of numbers: {error}", documents=documents
+        ) from error
+    if matrix.ndim != 2:
+        raise BadResponse(
+            url, "embeddings are not equal-length lists of numbers", documents=documents
+        )
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    np.divide(matrix, norms, out=matrix, where=norms > 0)
+    result: list[list[float]] = matrix.tolist()
+    return result
 
 
 def _estimate_tokens(text: str) -> int:
