@@ -364,6 +364,8 @@ def test_query_over_max_query_tokens_is_refused_unless_truncated(make_app: AppFa
     assert cut.json()["results"]
     fits = query(app, {"query": "gamma rays", "truncate": True})
     assert fits.json()["truncated"] is False
+    short = query(app, {"query": "hi"})  # 2 characters: at most 8 bytes, so not counted
+    assert short.status_code == 200 and short.json()["truncated"] is False
 
 
 @pytest.fixture

@@ -856,6 +856,8 @@ class QueryService:
         from quarry.chunking import count_tokens
 
         limit = self.settings.max_query_tokens
+        if len(query) * 4 <= limit:
+            return query, False  # a token is at least one UTF-8 byte, a character at most four
         tokens = count_tokens(query)
         if tokens <= limit:
             return query, False
