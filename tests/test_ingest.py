@@ -589,3 +589,47 @@ def test_a_file_with_a_document_missing_from_the_index_is_read_again(
     assert loads.uris == ["corpus/manual.pdf"]
     assert report.documents_embedded == 1
     assert report.files_unread == 4
+
+
+def test_a_sync_collects_young_objects_less_often_and_restores_the_threshold(
+    harness: Harness,
+) -> None:
+    import gc
+
+    from quarry.ingest import _YOUNG_GC_THRESHOLD, run_inline
+
+    seen: list[int] = []
+
+    def submit(sync: IndexSync, batch: list[Any]) -> Any:
+        seen.append(gc.get_threshold()[0])
+        return run_inline(sync, batch)
+
+    before = gc.get_threshold()
+    assert before[0] < _YOUNG_GC_THRESHOLD
+    report = harness.run(submit=submit)
+    assert report.documents_embedded > 0 and seen
+    assert set(seen) == {_YOUNG_GC_THRESHOLD}
+    assert gc.get_threshold() == before
+
+
+def test_overlapping_syncs_restore_the_threshold_when_the_last_one_ends() -> None:
+    import gc
+
+    from quarry.ingest import _YOUNG_GC_THRESHOLD, _young_collections_less_often
+
+    before = gc.get_threshold()
+    first, second = _young_collections_less_often(), _young_collections_less_often()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_threshold()[0] == _YOUNG_GC_THRESHOLD  # the second sync still runs
+    second.__exit__(None, None, None)
+    assert gc.get_threshold() == before
+    # A threshold the application set itself is left alone: off (0) stays off.
+    gc.set_threshold(0, *before[1:])
+    try:
+        with _young_collections_less_often():
+            assert gc.get_threshold()[0] == 0
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)

@@ -248,6 +248,10 @@ class VectorStore:
         self.pinned = pinned
         # Local-mode Qdrant is not safe for concurrent writers inside one process.
         self._write_lock = threading.Lock()
+        # QdrantClient.upsert first walks every point looking for inputs to embed with
+        # fastembed (models.Document), ~15 us a point; quarry's points carry their
+        # vectors, so upserts go to the transport client (local or remote) it wraps.
+        self._writer: Any = getattr(client, "_client", client)
 
     @property
     def is_local(self) -> bool:
@@ -509,7 +513,7 @@ class VectorStore:
         with self._write_lock:
             try:
                 with _one_transaction(self.client, name):
-                    result = self.client.upsert(name, points=list(points), wait=True)
+                    result = self._writer.upsert(name, points=list(points), wait=True)
             except Exception as error:  # qdrant-client raises transport-specific types
                 raise WriteFailed(
                     name, f"upsert of {len(points)} points failed: {error}"
