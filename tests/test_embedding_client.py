@@ -164,7 +164,8 @@ def test_vectors_are_scaled_to_unit_length_whatever_the_service_sends() -> None:
     # Collections rank by dot product (store.py): a service that does not normalise
     # (float lists or base64) must still give unit vectors; a zero vector stays zero.
     fake = FakeTEI(script=_answer_with([[3.0, 4.0], _b64([0.0, 2.0]), [0.0, 0.0]]))
-    vectors = _client(fake).embed_raw(["a", "b", "c"])
+    results = _client(fake).embed_passages(["a", "b", "c"])
+    vectors = [r[0].vector for r in results]  # type: ignore[index]
     assert vectors[0] == pytest.approx([0.6, 0.8], abs=1e-6)
     assert vectors[1] == pytest.approx([0.0, 1.0], abs=1e-6)
     assert vectors[2] == [0.0, 0.0]
@@ -297,3 +298,54 @@ def test_rerank_dialect_mismatch_names_the_setting() -> None:
     fake.script = script
     with pytest.raises(DialectMismatch, match="QUARRY_RERANK_DIALECT=tei"):
         reranker.score("q", ["a"])
+
+
+@pytest.mark.parametrize("bad", [None, "NaN", "Infinity"])
+def test_a_missing_or_non_finite_value_is_a_bad_response_naming_the_document(
+    bad: str | None,
+) -> None:
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path != "/v1/embeddings":
+            return None
+        value = "null" if bad is None else bad  # json reads NaN and Infinity as floats
+        good = '{"index": 0, "embedding": [0.6, 0.8, 0.0]}'
+        broken = '{"index": 1, "embedding": [0.6, ' + value + ", 0.8]}"
+        body = '{"object": "list", "data": [' + good + ", " + broken + "]}"
+        return httpx2.Response(200, content=body.encode())
+
+    client = _client(FakeTEI(script=script))
+    results = client.embed_passages(["x", "y"], documents=["docs/a.md", "docs/b.md"])
+    # The input answered well is kept; the broken one fails alone, naming its document.
+    assert isinstance(results[0], list) and results[0][0].vector == pytest.approx([0.6, 0.8, 0])
+    assert isinstance(results[1], EmbedFailure)
+    message = str(results[1].error)
+    assert "missing, infinite or NaN" in message and URL in message
+    assert "docs/b.md" in message and "docs/a.md" not in message
+    with pytest.raises(BadResponse, match="missing, infinite or NaN"):
+        client.embed_raw(["x", "y"])  # probes and the canary have no document to fail alone
+
+
+def test_the_canary_keeps_the_services_scale_so_the_fingerprint_sees_normalisation() -> None:
+    # embed_raw (the canary) is not scaled: a service that does not normalise keeps
+    # normalized=False in its fingerprint, so indexes it built keep their model_key.
+    from quarry.fingerprint import read_fingerprint
+
+    raw = FakeTEI(script=_answer_with([[3.0, 4.0]]))
+    assert _client(raw).embed_raw(["c"]) == [[3.0, 4.0]]
+    assert read_fingerprint(_client(raw)).model.normalized is False
+    unit = FakeTEI(script=_answer_with([[0.6, 0.8]]))
+    assert read_fingerprint(_client(unit)).model.normalized is True
+
+
+def test_a_rerank_score_that_is_not_a_finite_number_is_a_bad_response() -> None:
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path != "/rerank":
+            return None
+        body = '[{"index": 0, "score": 0.5}, {"index": 1, "score": NaN}]'
+        return httpx2.Response(200, content=body.encode())
+
+    fake = FakeTEI(script=script)
+    reranker = RerankClient(URL, transport=httpx2.MockTransport(fake), retry=NO_WAIT)
+    with pytest.raises(BadResponse, match="not a finite number") as caught:
+        reranker.score("q", ["a", "b"])
+    assert URL in str(caught.value)

@@ -41,3 +41,9 @@ def test_collapse_keeps_each_documents_best_and_fills_top_k_from_later_documents
 def test_a_rerank_score_per_hit_is_required() -> None:
     with pytest.raises(ValueError, match="3 rerank scores for 4 hits"):
         rank_results(HITS, [0.1, 0.2, 0.3], threshold=None, collapse="none", top_k=10)
+
+
+def test_a_nan_score_under_the_threshold_does_not_disturb_the_order() -> None:
+    nan = float("nan")
+    results = rank_results(HITS, [0.4, nan, 0.9, 0.6], threshold=0.3, collapse="none", top_k=10)
+    assert [(r.text, r.score) for r in results] == [("t2", 0.9), ("t3", 0.6), ("t0", 0.4)]

@@ -33,7 +33,7 @@ from quarry.embeddings import (
     EmbedDialect,
     ServiceInfo,
     _decode_openai,
-    unit_rows,
+    vector_rows,
 )
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
 from quarry.fingerprint import CANARY_TEXT, Fingerprint, build_fingerprint
@@ -247,11 +247,13 @@ class AsyncEmbeddingClient:
     async def embed_raw(
         self, texts: Sequence[str], *, retry: RetryPolicy | None = None
     ) -> list[list[float]]:
-        """Embed texts exactly as given (probes, the canary), one request per batch."""
+        """Embed texts exactly as given (probes, the canary), one request per batch; the
+        vectors are the service's own, not scaled (the fingerprint reads normalisation)."""
         size = (await self.info()).max_client_batch_size or DEFAULT_BATCH_SIZE
         out: list[list[float]] = []
         for start in range(0, len(texts), size):
-            out.extend(await self._post(list(texts[start : start + size]), retry or self.retry))
+            batch = list(texts[start : start + size])
+            out.extend(await self._post(batch, retry or self.retry, unit=False))
         return out
 
     async def read_fingerprint(self, *, retry: RetryPolicy | None = None) -> Fingerprint:
@@ -261,12 +263,16 @@ class AsyncEmbeddingClient:
         canary = (await self.embed_raw([profile.format_passage(CANARY_TEXT)], retry=retry))[0]
         return build_fingerprint(info, canary, profile.name, self.query_task)
 
-    async def _post(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+    async def _post(
+        self, texts: list[str], policy: RetryPolicy, *, unit: bool = True
+    ) -> list[list[float]]:
         if self.dialect == "tei":
-            return await self._post_tei(texts, policy)
-        return await self._post_openai(texts, policy)
+            return await self._post_tei(texts, policy, unit)
+        return await self._post_openai(texts, policy, unit)
 
-    async def _post_tei(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+    async def _post_tei(
+        self, texts: list[str], policy: RetryPolicy, unit: bool
+    ) -> list[list[float]]:
         url = f"{self.base_url}/embed"
         body = await arequest_json(
             self._http,
@@ -277,9 +283,11 @@ class AsyncEmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings")
-        return unit_rows(url, body)
+        return vector_rows(url, body, unit=unit)
 
-    async def _post_openai(self, texts: list[str], policy: RetryPolicy) -> list[list[float]]:
+    async def _post_openai(
+        self, texts: list[str], policy: RetryPolicy, unit: bool
+    ) -> list[list[float]]:
         url = f"{self.base_url}/v1/embeddings"
         model = self._model or (await self.info()).model_id
 
@@ -301,7 +309,7 @@ class AsyncEmbeddingClient:
                     url, error.status_code, error.response.content, error.response.headers
                 )
                 raise
-            return _decode_openai(url, response.http_response.json(), len(texts), ())
+            return _decode_openai(url, response.http_response.json(), len(texts), (), unit=unit)
 
         return await acall_with_retries(policy, url, attempt)
 

@@ -6,9 +6,11 @@ formatted here and nowhere else. Requests are sized from the service's
 transient, and an input the service finds too long is split and embedded in
 parts, never truncated.
 
-Every vector the clients return has unit length, whatever the service sends
+Passage and query vectors come back at unit length, whatever the service sends
 (TEI normalises by default; other engines may not): quarry's collections rank by
 dot product, which for unit vectors is the cosine (see :mod:`quarry.store`).
+``embed_raw`` returns what the service sent, so the fingerprint can record whether
+the service itself normalises.
 """
 
 from __future__ import annotations
@@ -261,10 +263,14 @@ class EmbeddingClient:
         return self._post_batch([text], documents=())[0]
 
     def embed_raw(self, texts: Sequence[str]) -> list[list[float]]:
-        """Embed texts exactly as given, one request per batch, no splitting (probes, canary)."""
+        """Embed texts exactly as given, one request per batch, no splitting (probes, canary).
+
+        The vectors are the service's own, not scaled: the fingerprint records from the
+        canary whether the service normalises."""
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
-            out.extend(self._post_batch(list(texts[start : start + self.batch_size]), ()))
+            batch = list(texts[start : start + self.batch_size])
+            out.extend(self._post_batch(batch, (), unit=False))
         return out
 
     def embed_passages(
@@ -389,6 +395,8 @@ class EmbeddingClient:
             return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
                 texts[middle:], names[middle:]
             )
+        except NonFiniteEmbeddings as error:
+            return _keep_finite(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
     def _embed_pieces(self, pieces: list[list[str]], names: list[str]) -> list[EmbedResult]:
@@ -469,6 +477,8 @@ class EmbeddingClient:
             return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
                 texts[middle:], names[middle:]
             )
+        except NonFiniteEmbeddings as error:
+            return _keep_finite(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
     def _embed_split(self, text: str, name: str, error: InputTooLong) -> EmbedResult:
@@ -484,14 +494,18 @@ class EmbeddingClient:
             parts.extend(result)
         return parts
 
-    def _post_batch(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+    def _post_batch(
+        self, texts: list[str], documents: Sequence[str], *, unit: bool = True
+    ) -> list[list[float]]:
         with self._count_lock:
             self.requests_sent += 1
         if self.dialect == "tei":
-            return self._post_tei(texts, documents)
-        return self._post_openai(texts, documents)
+            return self._post_tei(texts, documents, unit)
+        return self._post_openai(texts, documents, unit)
 
-    def _post_tei(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+    def _post_tei(
+        self, texts: list[str], documents: Sequence[str], unit: bool
+    ) -> list[list[float]]:
         url = f"{self.base_url}/embed"
         body = request_json(
             self._http,
@@ -504,9 +518,11 @@ class EmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)
-        return unit_rows(url, body, documents)
+        return vector_rows(url, body, documents, unit=unit)
 
-    def _post_openai(self, texts: list[str], documents: Sequence[str]) -> list[list[float]]:
+    def _post_openai(
+        self, texts: list[str], documents: Sequence[str], unit: bool
+    ) -> list[list[float]]:
         url = f"{self.base_url}/v1/embeddings"
 
         def attempt() -> list[list[float]]:
@@ -536,7 +552,7 @@ class EmbeddingClient:
                     documents=documents,
                 )
                 raise
-            return _decode_openai(url, response.json(), len(texts), documents)
+            return _decode_openai(url, response.json(), len(texts), documents, unit=unit)
 
         return call_with_retries(self._retry, url, attempt, documents=documents)
 
@@ -556,10 +572,20 @@ class EmbeddingClient:
         self.close()
 
 
+def _keep_finite(
+    texts: Sequence[str], names: Sequence[str], error: NonFiniteEmbeddings
+) -> list[EmbedResult]:
+    """The inputs of a batch some of whose embeddings were bad: each bad one fails alone."""
+    return [
+        [EmbeddedPart(text, vector)] if vector is not None else error.failure(name)
+        for text, name, vector in zip(texts, names, error.vectors, strict=True)
+    ]
+
+
 def _decode_openai(
-    url: str, body: Any, expected: int, documents: Sequence[str]
+    url: str, body: Any, expected: int, documents: Sequence[str], *, unit: bool = True
 ) -> list[list[float]]:
-    """Unit vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
+    """Vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or len(data) != expected:
         raise BadResponse(url, f"expected {expected} embeddings in 'data'", documents=documents)
@@ -573,14 +599,18 @@ def _decode_openai(
             rows[index] = embedding
         else:
             raise BadResponse(url, "embedding is neither a list nor base64", documents=documents)
-    return unit_rows(url, rows, documents)
+    return vector_rows(url, rows, documents, unit=unit)
 
 
-def unit_rows(url: str, rows: Sequence[Any], documents: Sequence[str] = ()) -> list[list[float]]:
-    """``rows`` (float lists or arrays, one per input) scaled to unit length, as lists.
+def vector_rows(
+    url: str, rows: Sequence[Any], documents: Sequence[str] = (), *, unit: bool = True
+) -> list[list[float]]:
+    """``rows`` (float lists or arrays, one per input) as lists, scaled to unit length
+    when ``unit`` (a zero vector stays zero).
 
-    A zero vector stays zero. Rows of different lengths, or not numbers, are a
-    BadResponse: one model gives every input the same number of dimensions.
+    A BadResponse naming ``url`` and ``documents`` when the rows are not numbers, not
+    all of one length (one model gives every input the same dimensions), or hold a
+    missing (``null``), infinite or NaN value: such a vector cannot be searched.
     """
     if not rows:
         return []
@@ -594,10 +624,44 @@ def unit_rows(url: str, rows: Sequence[Any], documents: Sequence[str] = ()) -> l
         raise BadResponse(
             url, "embeddings are not equal-length lists of numbers", documents=documents
         )
-    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
-    np.divide(matrix, norms, out=matrix, where=norms > 0)
+    finite: list[bool] = (np.isfinite(matrix).sum(axis=1) == matrix.shape[1]).tolist()
+    if unit:
+        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+        np.divide(matrix, norms, out=matrix, where=np.isfinite(norms) & (norms > 0))
     result: list[list[float]] = matrix.tolist()
+    if not all(finite):
+        raise NonFiniteEmbeddings(url, result, finite, documents)
     return result
+
+
+class NonFiniteEmbeddings(BadResponse):
+    """Some embeddings of a batch hold a missing (``null``), infinite or NaN value.
+
+    ``vectors`` has the batch's other vectors in place (a bad one as None), so the
+    inputs the service answered well are kept and only the bad ones fail, each as a
+    BadResponse naming its own document (:meth:`failure`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        vectors: list[list[float]],
+        finite: list[bool],
+        documents: Sequence[str] = (),
+    ) -> None:
+        super().__init__(url, _NON_FINITE, documents=documents)
+        self.vectors: list[list[float] | None] = [
+            vector if ok else None for vector, ok in zip(vectors, finite, strict=True)
+        ]
+
+    def failure(self, document: str) -> EmbedFailure:
+        """The failure of one bad input, naming ``document``."""
+        return EmbedFailure(
+            BadResponse(self.url, _NON_FINITE, documents=[document] if document else [])
+        )
+
+
+_NON_FINITE = "the embedding holds a missing, infinite or NaN value"
 
 
 def _estimate_tokens(text: str) -> int:

@@ -8,6 +8,7 @@ never truncated.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -182,7 +183,10 @@ def _parse_scores(url: str, answer: Any, expected: int) -> list[float]:
         value = item.get("score", item.get("relevance_score"))
         if value is None or not 0 <= index < expected:
             raise BadResponse(url, f"malformed rerank item {item!r}")
-        scores[index] = float(value)
+        score = float(value)
+        if not math.isfinite(score):  # json reads NaN and Infinity; a ranking cannot use them
+            raise BadResponse(url, f"rerank score {value!r} is not a finite number")
+        scores[index] = score
     if any(score is None for score in scores):
         raise BadResponse(url, f"rerank answer scored {len(items)} of {expected} texts")
     return [float(score) for score in scores if score is not None]

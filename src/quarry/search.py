@@ -188,20 +188,24 @@ def rank_results(
             raise ValueError(f"{len(scores)} rerank scores for {len(hits)} hits")
     # Order and cut on the scores alone, and build results only for what is kept:
     # a result costs ~15 us, and an answer keeps top_k of the candidates (10 of 50).
-    order = sorted(range(len(hits)), key=scores.__getitem__, reverse=True)  # stable
-    if threshold is not None:
-        order = [i for i in order if scores[i] >= threshold]
+    # Cut before sorting: a score the cut drops (NaN included) never reaches the sort.
+    kept = (
+        range(len(hits))
+        if threshold is None
+        else [i for i in range(len(hits)) if scores[i] >= threshold]
+    )
+    order = sorted(kept, key=scores.__getitem__, reverse=True)  # stable
     if collapse == "doc":
         seen: set[str] = set()
-        kept = []
+        best: list[int] = []
         for i in order:
             doc_id = _text((hits[i].payload or {}).get("doc_id"))
             if doc_id not in seen:
                 seen.add(doc_id)
-                kept.append(i)
-            if len(kept) == top_k:
+                best.append(i)
+            if len(best) == top_k:
                 break
-        order = kept
+        order = best
     return [
         result_from_point(hits[i], None if rerank_scores is None else scores[i])
         for i in order[:top_k]
