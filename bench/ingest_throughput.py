@@ -345,29 +345,39 @@ def flow_child(corpus_dir: Path, url: str, out: Path) -> None:
     from prefect import flow
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from flows import embedded_flow_runs
     from flows.ingest import ingest_flow
 
     @flow(name="bench-startup")
     def startup() -> int:
         return 0
 
-    started = time.perf_counter()
-    startup()
-    startup_s = time.perf_counter() - started
-    phases: dict[str, Any] = {"startup_seconds": startup_s}
-    for phase in ("first", *AGAIN):
-        before = _tei.server_stats(url)
+    # As `quarry ingest` runs its flow (no flow-run heartbeats under embedded Prefect).
+    with embedded_flow_runs():
         started = time.perf_counter()
-        cpu = time.process_time()
-        report = ingest_flow(sources=[str(corpus_dir)], collection=COLLECTION)
-        seconds = time.perf_counter() - started
-        phases[phase] = {
-            "seconds": seconds,
-            "cpu_seconds": time.process_time() - cpu,
-            "server": _tei.stats_delta(before, _tei.server_stats(url)),
-            "report": {k: v for k, v in report.items() if k not in ("failures", "notes")},
-            "failures": len(report["failures"]),
-        }
+        startup()
+        startup_s = time.perf_counter() - started
+        # What any flow run costs once Prefect is up (creating the run, its state changes):
+        # the least a flow's re-ingest can take, whatever the flow does.
+        noop: list[float] = []
+        for _ in range(3):
+            started = time.perf_counter()
+            startup()
+            noop.append(time.perf_counter() - started)
+        phases: dict[str, Any] = {"startup_seconds": startup_s, "noop_run_seconds": min(noop)}
+        for phase in ("first", *AGAIN):
+            before = _tei.server_stats(url)
+            started = time.perf_counter()
+            cpu = time.process_time()
+            report = ingest_flow(sources=[str(corpus_dir)], collection=COLLECTION)
+            seconds = time.perf_counter() - started
+            phases[phase] = {
+                "seconds": seconds,
+                "cpu_seconds": time.process_time() - cpu,
+                "server": _tei.stats_delta(before, _tei.server_stats(url)),
+                "report": {k: v for k, v in report.items() if k not in ("failures", "notes")},
+                "failures": len(report["failures"]),
+            }
     phases = best_again(phases)
     phases["ok"] = phases["first"]["failures"] == 0
     phases["chunks"] = phases["first"]["report"]["chunks_embedded"]
@@ -681,6 +691,7 @@ def summarise(
                     "again_rounds_seconds": run.get("again_rounds_seconds"),
                     "again_rounds_inputs": run.get("again_rounds_inputs"),
                     "startup_seconds": run.get("startup_seconds"),
+                    "noop_run_seconds": run.get("noop_run_seconds"),
                     "detail": {"first": first, "again": again},
                 }
             )
@@ -844,6 +855,8 @@ def print_report(result: dict[str, Any]) -> None:
             print(
                 f"  {name}: Prefect startup (a no-op flow) {e['startup_seconds']:.1f}s, not included"
             )
+        if e.get("noop_run_seconds"):
+            print(f"  {name}: a no-op flow run once Prefect is up: {e['noop_run_seconds']:.2f}s")
     print()
     for t in result["targets"]:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']}")

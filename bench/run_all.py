@@ -550,6 +550,12 @@ def _ingest_section(r: dict[str, Any], drawn: set[str]) -> list[str]:
                 f"- {name}: Prefect's startup (a no-op flow in a fresh process) took "
                 f"{e['startup_seconds']:.1f} s, not included above."
             )
+        if e.get("noop_run_seconds"):
+            lines.append(
+                f"- {name}: once Prefect is up, a no-op flow run takes "
+                f"{e['noop_run_seconds']:.2f} s (creating the run and its state changes): "
+                "no flow run, a re-ingest included, takes less."
+            )
     b = r.get("client_cpu_budget")
     if b:
         lines += [
@@ -631,6 +637,14 @@ def _ingest_findings(r: dict[str, Any]) -> list[str]:
             f"first and {flow['again_seconds']:.2f} s again: the difference from the plain "
             "sync is Prefect's per-run work (the flow run, a task run per batch of documents, "
             "the summary artifact, all against its API server), not embedding or Qdrant."
+            + (
+                f" A flow run that does nothing takes {flow['noop_run_seconds']:.2f} s."
+                if flow.get("noop_run_seconds")
+                else ""
+            )
+            + " Under embedded Prefect, quarry runs flows without flow-run heartbeats: their "
+            "thread, which sleeps in one-second steps, held every run's exit for up to a "
+            "second, and only a Prefect server can use them."
         )
     lc = pipes.get("langchain-best") or {}
     if lc.get("again_inputs"):

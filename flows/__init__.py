@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -30,6 +32,26 @@ def configure_prefect_environment(data_dir: Path) -> None:
     # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "240")
     os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "WARNING")
+
+
+@contextmanager
+def embedded_flow_runs() -> Iterator[None]:
+    """Run flows in this block without flow-run heartbeats when Prefect is embedded.
+
+    A heartbeat (Prefect's default: every 180 s, from a thread that sleeps in
+    one-second steps) lets a server notice that a run's process died; it also holds
+    every flow run's exit for up to a second while that thread wakes up, which was
+    most of a re-ingest's time. An embedded (ephemeral) server lives in the process
+    that runs the flow and dies with it, so there is no one to notice. With a Prefect
+    server (``PREFECT_API_URL``) the heartbeats stay.
+    """
+    from prefect.settings import get_current_settings, temporary_settings
+
+    if get_current_settings().api.url:
+        yield
+        return
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        yield
 
 
 class _NoQuarryTraceback(logging.Filter):

@@ -94,3 +94,21 @@ def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     assert passed["evaluation"]["dataset"] == "beir_tiny"
     with pytest.raises(Refused, match="below --min-ndcg"):
         reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.01)
+
+
+def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() -> None:
+    # A heartbeat thread held each flow run's exit for up to a second; only a Prefect
+    # server can use heartbeats (an embedded one dies with the flow's process).
+    from prefect.settings import get_current_settings, temporary_settings
+
+    from flows import embedded_flow_runs
+
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default is not None
+    with temporary_settings(updates={"api.url": None}):
+        with embedded_flow_runs():
+            assert get_current_settings().flows.heartbeat_frequency is None
+        assert get_current_settings().flows.heartbeat_frequency == default
+    with temporary_settings(updates={"api.url": "http://prefect.test/api"}):
+        with embedded_flow_runs():
+            assert get_current_settings().flows.heartbeat_frequency == default

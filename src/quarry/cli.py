@@ -176,12 +176,12 @@ def ingest(
 
             with closing(VectorStore(open_client(settings), settings.collection)) as store:
                 refuse_unknown_missing_files(store, specs)
-    from flows import configure_prefect_environment, quiet_quarry_tracebacks
+    from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
     with _errors_to_exit_codes():
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
-    with _errors_to_exit_codes(), _ingest_progress():
+    with _errors_to_exit_codes(), _ingest_progress(), embedded_flow_runs():
         from flows.ingest import ingest_flow
 
         summary = ingest_flow(
@@ -435,12 +435,12 @@ def reindex(
         _fail("--include and --exclude need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
         _preflight(settings)
-    from flows import configure_prefect_environment, quiet_quarry_tracebacks
+    from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
     with _errors_to_exit_codes():
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(), embedded_flow_runs():
         from flows.reindex import reindex_flow
 
         report = reindex_flow(

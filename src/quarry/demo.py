@@ -28,7 +28,7 @@ def main() -> int:
         print(f"quarry demo: {docs} not found (run it from a quarry checkout)", file=sys.stderr)
         return 2
 
-    from flows import configure_prefect_environment
+    from flows import configure_prefect_environment, embedded_flow_runs
 
     configure_prefect_environment(settings.data_dir)
     from flows.ingest import ingest_flow
@@ -41,7 +41,8 @@ def main() -> int:
         os.environ["QUARRY_EMBED_URL"] = embed_url
         settings = get_settings(embed_url=embed_url)
         print(f"== Indexing {docs} into collection {settings.collection!r}", flush=True)
-        summary = ingest_flow(sources=[str(docs)], collection=settings.collection)
+        with embedded_flow_runs():
+            summary = ingest_flow(sources=[str(docs)], collection=settings.collection)
         requests = summary["embedding_requests"]
         # The canary is embedded only when something else is: a rerun sends nothing.
         spent = (
