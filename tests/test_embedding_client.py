@@ -171,11 +171,11 @@ def test_vectors_are_scaled_to_unit_length_whatever_the_service_sends() -> None:
     assert vectors[2] == [0.0, 0.0]
 
 
-def test_embeddings_of_different_lengths_are_a_bad_response_naming_the_url() -> None:
-    fake = FakeTEI(script=_answer_with([[1.0, 0.0], [1.0, 0.0, 0.0]]))
-    with pytest.raises(BadResponse, match="equal-length") as caught:
-        _client(fake).embed_raw(["a", "b"])
-    assert URL in str(caught.value)
+def test_an_answer_with_no_usable_embedding_is_a_bad_response_naming_the_url() -> None:
+    fake = FakeTEI(script=_answer_with([None, "not base64!"]))
+    with pytest.raises(BadResponse, match="no embedding in the answer") as caught:
+        _client(fake).embed_passages(["a", "b"], documents=["docs/a.md", "docs/b.md"])
+    assert URL in str(caught.value) and "docs/a.md" in str(caught.value)
 
 
 def test_transient_failures_are_retried_then_succeed() -> None:
@@ -300,29 +300,39 @@ def test_rerank_dialect_mismatch_names_the_setting() -> None:
         reranker.score("q", ["a"])
 
 
-@pytest.mark.parametrize("bad", [None, "NaN", "Infinity"])
-def test_a_missing_or_non_finite_value_is_a_bad_response_naming_the_document(
-    bad: str | None,
-) -> None:
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "[0.6, null, 0.8]",
+        "[0.6, NaN, 0.8]",  # json reads NaN and Infinity as floats
+        "[0.6, Infinity, 0.8]",
+        "null",
+        "[0.6, 0.8]",  # another length than the model's
+        '"abc"',  # not base64
+        '{"x": 1}',
+    ],
+)
+def test_an_unusable_embedding_fails_its_document_alone(broken: str) -> None:
     def script(request: httpx2.Request) -> httpx2.Response | None:
         if request.url.path != "/v1/embeddings":
             return None
-        value = "null" if bad is None else bad  # json reads NaN and Infinity as floats
-        good = '{"index": 0, "embedding": [0.6, 0.8, 0.0]}'
-        broken = '{"index": 1, "embedding": [0.6, ' + value + ", 0.8]}"
-        body = '{"object": "list", "data": [' + good + ", " + broken + "]}"
+        good = '{"index": 0, "embedding": [0.6, 0.8, 0.0]}, {"index": 2, "embedding": [0, 0, 1]}'
+        bad = '{"index": 1, "embedding": ' + broken + "}"
+        body = '{"object": "list", "data": [' + good + ", " + bad + "]}"
         return httpx2.Response(200, content=body.encode())
 
     client = _client(FakeTEI(script=script))
-    results = client.embed_passages(["x", "y"], documents=["docs/a.md", "docs/b.md"])
-    # The input answered well is kept; the broken one fails alone, naming its document.
+    names = ["docs/a.md", "docs/b.md", "docs/c.md"]
+    results = client.embed_passages(["x", "y", "z"], documents=names)
+    # The inputs answered well are kept; the broken one fails alone, naming its document.
     assert isinstance(results[0], list) and results[0][0].vector == pytest.approx([0.6, 0.8, 0])
+    assert isinstance(results[2], list) and results[2][0].vector == pytest.approx([0, 0, 1])
     assert isinstance(results[1], EmbedFailure)
     message = str(results[1].error)
-    assert "missing, infinite or NaN" in message and URL in message
+    assert "embedding for it is unusable" in message and URL in message
     assert "docs/b.md" in message and "docs/a.md" not in message
-    with pytest.raises(BadResponse, match="missing, infinite or NaN"):
-        client.embed_raw(["x", "y"])  # probes and the canary have no document to fail alone
+    with pytest.raises(BadResponse, match="unusable"):
+        client.embed_raw(["x", "y", "z"])  # probes and the canary have no document to fail alone
 
 
 def test_the_canary_keeps_the_services_scale_so_the_fingerprint_sees_normalisation() -> None:

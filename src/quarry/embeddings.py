@@ -16,9 +16,11 @@ the service itself normalises.
 from __future__ import annotations
 
 import base64
+import binascii
 import itertools
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from typing import Any, Literal
 
 import httpx2
 import numpy as np
+import numpy.typing as npt
 import openai
 
 from quarry._http import (
@@ -395,7 +398,7 @@ class EmbeddingClient:
             return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
                 texts[middle:], names[middle:]
             )
-        except NonFiniteEmbeddings as error:
+        except UnusableEmbeddings as error:
             return _keep_finite(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
@@ -477,7 +480,7 @@ class EmbeddingClient:
             return self._embed_resilient(texts[:middle], names[:middle]) + self._embed_resilient(
                 texts[middle:], names[middle:]
             )
-        except NonFiniteEmbeddings as error:
+        except UnusableEmbeddings as error:
             return _keep_finite(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
@@ -573,7 +576,7 @@ class EmbeddingClient:
 
 
 def _keep_finite(
-    texts: Sequence[str], names: Sequence[str], error: NonFiniteEmbeddings
+    texts: Sequence[str], names: Sequence[str], error: UnusableEmbeddings
 ) -> list[EmbedResult]:
     """The inputs of a batch some of whose embeddings were bad: each bad one fails alone."""
     return [
@@ -591,14 +594,17 @@ def _decode_openai(
         raise BadResponse(url, f"expected {expected} embeddings in 'data'", documents=documents)
     rows: list[Any] = [None] * expected
     for position, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise BadResponse(url, f"malformed embedding item {item!r:.80}", documents=documents)
         index = int(item.get("index", position))
         embedding = item.get("embedding")
         if isinstance(embedding, str):
-            rows[index] = np.frombuffer(base64.b64decode(embedding), dtype="<f4")
-        elif isinstance(embedding, list):
-            rows[index] = embedding
+            try:
+                rows[index] = np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+            except (ValueError, binascii.Error):
+                rows[index] = None  # not base64 of float32s: that input fails alone
         else:
-            raise BadResponse(url, "embedding is neither a list nor base64", documents=documents)
+            rows[index] = embedding  # a list, or None and the like: that input fails alone
     return vector_rows(url, rows, documents, unit=unit)
 
 
@@ -608,34 +614,57 @@ def vector_rows(
     """``rows`` (float lists or arrays, one per input) as lists, scaled to unit length
     when ``unit`` (a zero vector stays zero).
 
-    A BadResponse naming ``url`` and ``documents`` when the rows are not numbers, not
-    all of one length (one model gives every input the same dimensions), or hold a
-    missing (``null``), infinite or NaN value: such a vector cannot be searched.
+    A row that is missing, not a list of numbers, of another length than the others
+    (one model gives every input the same dimensions) or holding a ``null``, infinite
+    or NaN value cannot be searched: :class:`UnusableEmbeddings` then carries the
+    good rows, so only the inputs whose rows are bad fail. A BadResponse naming
+    ``url`` and ``documents`` when no row is usable at all.
     """
     if not rows:
         return []
+    matrix: npt.NDArray[np.float32] | None
     try:
         matrix = np.asarray(rows, dtype=np.float32)
-    except (TypeError, ValueError) as error:
+        if matrix.ndim != 2:
+            raise ValueError(f"{matrix.ndim} dimensions")
+    except (TypeError, ValueError):
+        matrix = _salvage(rows)
+    if matrix is None:
         raise BadResponse(
-            url, f"embeddings are not equal-length lists of numbers: {error}", documents=documents
-        ) from error
-    if matrix.ndim != 2:
-        raise BadResponse(
-            url, "embeddings are not equal-length lists of numbers", documents=documents
+            url, "no embedding in the answer is a list of numbers", documents=documents
         )
-    finite: list[bool] = (np.isfinite(matrix).sum(axis=1) == matrix.shape[1]).tolist()
+    usable: list[bool] = (np.isfinite(matrix).sum(axis=1) == matrix.shape[1]).tolist()
     if unit:
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         np.divide(matrix, norms, out=matrix, where=np.isfinite(norms) & (norms > 0))
     result: list[list[float]] = matrix.tolist()
-    if not all(finite):
-        raise NonFiniteEmbeddings(url, result, finite, documents)
+    if not all(usable):
+        raise UnusableEmbeddings(url, result, usable, documents)
     return result
 
 
-class NonFiniteEmbeddings(BadResponse):
-    """Some embeddings of a batch hold a missing (``null``), infinite or NaN value.
+def _salvage(rows: Sequence[Any]) -> npt.NDArray[np.float32] | None:
+    """Rows as a matrix of the length most of them have; any other row all NaN."""
+    vectors: list[npt.NDArray[np.float32] | None] = []
+    for row in rows:
+        try:
+            vector = np.asarray(row, dtype=np.float32)
+        except (TypeError, ValueError):
+            vector = None
+        vectors.append(vector if vector is not None and vector.ndim == 1 else None)
+    lengths = Counter(len(v) for v in vectors if v is not None and len(v))
+    if not lengths:
+        return None
+    dims = lengths.most_common(1)[0][0]
+    matrix = np.full((len(rows), dims), np.nan, dtype=np.float32)
+    for i, vector in enumerate(vectors):
+        if vector is not None and len(vector) == dims:
+            matrix[i] = vector
+    return matrix
+
+
+class UnusableEmbeddings(BadResponse):
+    """Some embeddings of a batch are missing, malformed, or hold a non-finite value.
 
     ``vectors`` has the batch's other vectors in place (a bad one as None), so the
     inputs the service answered well are kept and only the bad ones fail, each as a
@@ -646,22 +675,25 @@ class NonFiniteEmbeddings(BadResponse):
         self,
         url: str,
         vectors: list[list[float]],
-        finite: list[bool],
+        usable: list[bool],
         documents: Sequence[str] = (),
     ) -> None:
-        super().__init__(url, _NON_FINITE, documents=documents)
+        super().__init__(url, _UNUSABLE, documents=documents)
         self.vectors: list[list[float] | None] = [
-            vector if ok else None for vector, ok in zip(vectors, finite, strict=True)
+            vector if ok else None for vector, ok in zip(vectors, usable, strict=True)
         ]
 
     def failure(self, document: str) -> EmbedFailure:
         """The failure of one bad input, naming ``document``."""
         return EmbedFailure(
-            BadResponse(self.url, _NON_FINITE, documents=[document] if document else [])
+            BadResponse(self.url, _UNUSABLE, documents=[document] if document else [])
         )
 
 
-_NON_FINITE = "the embedding holds a missing, infinite or NaN value"
+_UNUSABLE = (
+    "the service's embedding for it is unusable: missing, not a vector of the model's "
+    "dimensions, or holding a null, infinite or NaN value"
+)
 
 
 def _estimate_tokens(text: str) -> int:
