@@ -45,13 +45,31 @@ def embedded_flow_runs() -> Iterator[None]:
     that runs the flow and dies with it, so there is no one to notice. With a Prefect
     server (``PREFECT_API_URL``) the heartbeats stay.
     """
-    from prefect.settings import get_current_settings, temporary_settings
+    from prefect.settings import temporary_settings
 
-    if get_current_settings().api.url:
-        yield
-        return
-    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-        yield
+    # Settings read afresh: PREFECT_API_URL may have been set since prefect was imported.
+    with temporary_settings() as current:
+        if current.api.url:
+            yield
+            return
+        _quiet_events_drain()
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            yield
+
+
+class _NoDrainNotice(logging.Filter):
+    """Drops Prefect's "Still processing items" warning: at exit its events worker
+    still sends the run's last event (the summary artifact's), and says so. The
+    heartbeat's one-second wait used to hide it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Still processing items")
+
+
+def _quiet_events_drain() -> None:
+    logger = logging.getLogger("EventsWorker")
+    if not any(isinstance(f, _NoDrainNotice) for f in logger.filters):
+        logger.addFilter(_NoDrainNotice())
 
 
 class _NoQuarryTraceback(logging.Filter):

@@ -112,3 +112,43 @@ def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() ->
     with temporary_settings(updates={"api.url": "http://prefect.test/api"}):
         with embedded_flow_runs():
             assert get_current_settings().flows.heartbeat_frequency == default
+
+
+def test_a_server_named_after_prefect_was_imported_keeps_the_heartbeats() -> None:
+    # In a fresh process: the harness's own settings would hide the environment.
+    import subprocess
+    import sys
+
+    code = (
+        "import os, prefect.settings as s\n"
+        "from flows import embedded_flow_runs\n"
+        "os.environ['PREFECT_API_URL'] = 'http://prefect.test/api'\n"
+        "with embedded_flow_runs():\n"
+        "    c = s.get_current_settings()\n"
+        "    print(c.api.url, c.flows.heartbeat_frequency)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True
+    )
+    url, frequency = done.stdout.split()
+    assert url == "http://prefect.test/api" and frequency != "None"
+
+
+def test_embedded_runs_drop_only_the_events_workers_drain_notice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from prefect.settings import temporary_settings
+
+    from flows import embedded_flow_runs
+
+    with temporary_settings(updates={"api.url": None}), embedded_flow_runs():
+        pass
+    logger = logging.getLogger("EventsWorker")
+    with caplog.at_level(logging.WARNING, logger="EventsWorker"):
+        logger.warning("Still processing items: 1 items remaining...")
+        logger.warning("Failed to send events")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to send events"]
