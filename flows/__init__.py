@@ -18,15 +18,9 @@ def configure_prefect_environment(data_dir: Path) -> None:
     if os.environ.get("PREFECT_API_URL"):
         return
     home = Path(os.environ.setdefault("PREFECT_HOME", str((data_dir / "prefect").resolve())))
-    try:
-        home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
-    except OSError as error:
-        from quarry.errors import ConfigError
+    from quarry.config import make_data_folder
 
-        raise ConfigError(
-            f"QUARRY_DATA_DIR={data_dir}: cannot create {home} for Prefect: "
-            f"{error.strerror or error}"
-        ) from None
+    make_data_folder(data_dir, home, "Prefect")  # Prefect creates only the last level
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.
@@ -52,7 +46,7 @@ def embedded_flow_runs() -> Iterator[None]:
         if current.api.url:
             yield
             return
-        _quiet_events_drain()
+        _filter_once("EventsWorker", _NoDrainNotice)
         with temporary_settings(updates={"flows.heartbeat_frequency": None}):
             yield
 
@@ -66,10 +60,11 @@ class _NoDrainNotice(logging.Filter):
         return not record.getMessage().startswith("Still processing items")
 
 
-def _quiet_events_drain() -> None:
-    logger = logging.getLogger("EventsWorker")
-    if not any(isinstance(f, _NoDrainNotice) for f in logger.filters):
-        logger.addFilter(_NoDrainNotice())
+def _filter_once(logger_name: str, kind: type[logging.Filter]) -> None:
+    """Add a ``kind`` filter to the logger unless it has one (calls repeat per command)."""
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, kind) for f in logger.filters):
+        logger.addFilter(kind())
 
 
 class _NoQuarryTraceback(logging.Filter):
@@ -89,6 +84,4 @@ class _NoQuarryTraceback(logging.Filter):
 def quiet_quarry_tracebacks() -> None:
     """Install :class:`_NoQuarryTraceback` on Prefect's run loggers (idempotent)."""
     for name in ("prefect.flow_runs", "prefect.task_runs"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoQuarryTraceback) for f in logger.filters):
-            logger.addFilter(_NoQuarryTraceback())
+        _filter_once(name, _NoQuarryTraceback)

@@ -102,17 +102,22 @@ def one_writer(settings: Settings, collection: str) -> Iterator[None]:
 
 
 def source_specs(
-    paths: list[str], include: list[str] | None, exclude: list[str] | None
+    paths: list[str],
+    include: list[str] | None,
+    exclude: list[str] | None,
+    *,
+    missing_file_ok: bool = False,
 ) -> list[SourceSpec]:
     """Open each path as a source with the given globs; ``exclude`` adds to the default
-    skips (.git, node_modules, .venv, ...) instead of replacing them."""
+    skips (.git, node_modules, .venv, ...) instead of replacing them. With
+    ``missing_file_ok`` a file that is gone is a source too (an ingest removes its
+    documents); a reindex must read every path it is given."""
     globs: dict[str, Any] = {}
     if include:
         globs["include"] = tuple(include)
     if exclude:
         globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
-    # A file named but gone is synced too: its documents are removed.
-    specs = [open_source(path, **globs, missing_file_ok=True) for path in paths]
+    specs = [open_source(path, **globs, missing_file_ok=missing_file_ok) for path in paths]
     refuse_same_named_sources(specs)
     return specs
 
@@ -145,7 +150,7 @@ def ingest_flow(
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     started = time.monotonic()
-    specs = source_specs(sources, include, exclude)
+    specs = source_specs(sources, include, exclude, missing_file_ok=True)
     with one_writer(settings, settings.collection), open_services(settings) as services:
         sync = IndexSync(
             services.store,

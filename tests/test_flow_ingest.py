@@ -152,3 +152,15 @@ def test_embedded_runs_drop_only_the_events_workers_drain_notice(
         logger.warning("Still processing items: 1 items remaining...")
         logger.warning("Failed to send events")
     assert [r.getMessage() for r in caplog.records] == ["Failed to send events"]
+
+
+def test_only_an_ingest_takes_a_file_that_is_gone_as_a_source(tmp_path: Path) -> None:
+    # An ingest of a deleted file removes its documents; a reindex must read every
+    # path, and a missing one is refused before anything is built.
+    from flows.ingest import source_specs
+    from quarry.errors import SourceNotFound
+
+    gone = str(tmp_path / "old.md")
+    assert source_specs([gone], None, None, missing_file_ok=True)[0].file is not None
+    with pytest.raises(SourceNotFound, match="no such file"):
+        source_specs([gone], None, None)

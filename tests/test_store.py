@@ -160,3 +160,17 @@ def test_a_local_upsert_that_fails_midway_leaves_on_disk_what_memory_holds(
         assert reopened.index_state()["torn"].points == 3  # a torn write the sync redoes
     finally:
         reopened.close()
+
+
+def test_a_data_dir_that_cannot_hold_qdrant_is_a_config_error_for_both_clients(
+    tmp_path: Path,
+) -> None:
+    from quarry._async_clients import open_async_qdrant
+    from quarry.errors import ConfigError
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    settings = Settings(data_dir=not_a_folder, collection="kb")
+    for opener in (open_client, open_async_qdrant):
+        with pytest.raises(ConfigError, match=f"QUARRY_DATA_DIR={not_a_folder}: cannot create"):
+            opener(settings)

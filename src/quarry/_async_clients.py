@@ -27,7 +27,7 @@ import tenacity
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
 from quarry._http import RetryPolicy, TransientFailure, async_http_client, raise_for_status
-from quarry.config import DEFAULT_QUERY_TASK, Settings
+from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
 from quarry.embeddings import (
     DEFAULT_BATCH_SIZE,
     EmbedDialect,
@@ -585,7 +585,7 @@ def open_async_qdrant(settings: Settings) -> AsyncQdrant:
     if settings.qdrant_url:
         key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
         return AsyncQdrantClient(url=settings.qdrant_url, api_key=key, timeout=60)
-    settings.qdrant_path.mkdir(parents=True, exist_ok=True)
+    make_data_folder(settings.data_dir, settings.qdrant_path, "local-mode Qdrant")
     try:
         return ThreadedLocalQdrant(str(settings.qdrant_path))
     except RuntimeError as error:

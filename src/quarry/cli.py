@@ -159,13 +159,11 @@ def ingest(
 ) -> None:
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
     settings = _settings(collection=collection)
-    for path in paths:
-        # A file that is gone is still a source: syncing it removes its documents.
-        if not path.exists() and not path.parent.is_dir():
-            _fail(f"{path}: no such file or directory", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.sources import open_source, refuse_same_named_sources
 
+        # A file that is gone is still a source (syncing it removes its documents);
+        # a path whose folder is gone too is refused here, as SourceNotFound.
         specs = [open_source(p, missing_file_ok=True) for p in paths]
         refuse_same_named_sources(specs)
         _preflight(settings)

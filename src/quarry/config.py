@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from quarry.errors import ConfigError
+
 DEFAULT_QUERY_TASK = "Given a web search query, retrieve relevant passages that answer the query"
 
 
@@ -98,6 +100,18 @@ class Settings(BaseSettings):
     def qdrant_path(self) -> Path:
         """Where local-mode Qdrant keeps its files."""
         return self.data_dir / "qdrant"
+
+
+def make_data_folder(data_dir: Path, folder: Path, purpose: str) -> None:
+    """Create ``folder`` (under ``data_dir``) and its parents; a ConfigError naming
+    QUARRY_DATA_DIR when that cannot be done (a file in the way, no permission)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"QUARRY_DATA_DIR={data_dir}: cannot create {folder} for {purpose}: "
+            f"{error.strerror or error}"
+        ) from None
 
 
 def http_url(value: str) -> str:

@@ -399,7 +399,7 @@ class EmbeddingClient:
                 texts[middle:], names[middle:]
             )
         except UnusableEmbeddings as error:
-            return _keep_finite(texts, names, error)
+            return _keep_usable(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
     def _embed_pieces(self, pieces: list[list[str]], names: list[str]) -> list[EmbedResult]:
@@ -481,7 +481,7 @@ class EmbeddingClient:
                 texts[middle:], names[middle:]
             )
         except UnusableEmbeddings as error:
-            return _keep_finite(texts, names, error)
+            return _keep_usable(texts, names, error)
         return [[EmbeddedPart(text, vector)] for text, vector in zip(texts, vectors, strict=True)]
 
     def _embed_split(self, text: str, name: str, error: InputTooLong) -> EmbedResult:
@@ -575,7 +575,7 @@ class EmbeddingClient:
         self.close()
 
 
-def _keep_finite(
+def _keep_usable(
     texts: Sequence[str], names: Sequence[str], error: UnusableEmbeddings
 ) -> list[EmbedResult]:
     """The inputs of a batch some of whose embeddings were bad: each bad one fails alone."""

@@ -10,7 +10,7 @@ kept for :func:`rollback` until pruned.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,9 @@ def stored_documents(
     batch: int = REINDEX_DOCUMENTS_PER_BATCH,
     interrupted: list[str] | None = None,
     chunkings: dict[str, str | None] | None = None,
+    *,
+    doc_ids: Iterable[str] | None = None,
+    rekey: Mapping[str, str] | None = None,
 ) -> Iterator[list[tuple[Document, list[Chunk]]]]:
     """The documents in the alias's collection rebuilt from their points, in batches.
 
@@ -88,11 +91,13 @@ def stored_documents(
     while writing it) is carried as it is, under the hash INTERRUPTED_WRITE and
     without a complete file stamp, so the next sync reads and mends it instead of
     taking it for current; its uri is appended to ``interrupted``. The chunk
-    settings key each document's points carry is put in ``chunkings``.
+    settings key each document's points carry is put in ``chunkings``, mapped by
+    ``rekey`` (a key the reindex records in place of the one stored). ``doc_ids``
+    spares a scan of the collection when the caller has read its state already.
     """
-    doc_ids = sorted(store.index_state())
-    for start in range(0, len(doc_ids), batch):
-        wanted = doc_ids[start : start + batch]
+    ids = sorted(store.index_state() if doc_ids is None else doc_ids)
+    for start in range(0, len(ids), batch):
+        wanted = ids[start : start + batch]
         points = store.scroll(
             query_filter=models.Filter(
                 must=[models.FieldCondition(key="doc_id", match=models.MatchAny(any=wanted))]
@@ -110,7 +115,7 @@ def stored_documents(
             first = payloads[0]
             if chunkings is not None:
                 key = first.get("chunking")
-                chunkings[doc_id] = key if isinstance(key, str) else None
+                chunkings[doc_id] = (rekey or {}).get(key, key) if isinstance(key, str) else None
             metadata = dict(first.get("metadata") or {})
             doc_hash = str(first["doc_hash"])
             if not _consistent(payloads):
@@ -331,12 +336,11 @@ def _build(
         )
     else:
         sync.prepare(ingest)
-        for group in stored_documents(store, interrupted=interrupted, chunkings=chunkings):
-            keys: dict[str, str | None] = {}
-            for document, _chunks in group:
-                key = chunkings.get(document.doc_id)
-                keys[document.doc_id] = rekey.get(key, key) if key is not None else None
-            ingest.add(sync.write_chunked(group, keys))
+        groups = stored_documents(
+            store, interrupted=interrupted, chunkings=chunkings, doc_ids=served, rekey=rekey
+        )
+        for group in groups:
+            ingest.add(sync.write_chunked(group, chunkings))
             progress(f"re-embedded {ingest.documents_embedded} documents")
     report.documents = ingest.documents_embedded
     report.points = ingest.chunks_embedded

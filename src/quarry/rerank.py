@@ -189,4 +189,4 @@ def _parse_scores(url: str, answer: Any, expected: int) -> list[float]:
         scores[index] = score
     if any(score is None for score in scores):
         raise BadResponse(url, f"rerank answer scored {len(items)} of {expected} texts")
-    return [float(score) for score in scores if score is not None]
+    return [score for score in scores if score is not None]

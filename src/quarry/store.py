@@ -28,9 +28,9 @@ from typing import Any
 from pydantic import SecretStr
 from qdrant_client import QdrantClient, models
 
-from quarry.config import Settings
+from quarry.config import Settings, make_data_folder
 from quarry.documents import FileStamp
-from quarry.errors import ConfigError, StoreError, StoreLocked, WriteFailed
+from quarry.errors import StoreError, StoreLocked, WriteFailed
 from quarry.fingerprint import Fingerprint
 
 
@@ -107,13 +107,7 @@ def open_client(settings: Settings) -> QdrantClient:
     """A Qdrant client: a server when ``QUARRY_QDRANT_URL`` is set, else local mode on disk."""
     if settings.qdrant_url:
         return _server_client(settings.qdrant_url, settings.qdrant_api_key, settings.collection)
-    try:
-        settings.qdrant_path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(
-            f"QUARRY_DATA_DIR={settings.data_dir}: cannot create {settings.qdrant_path} "
-            f"for local-mode Qdrant: {error.strerror or error}"
-        ) from None
+    make_data_folder(settings.data_dir, settings.qdrant_path, "local-mode Qdrant")
     try:
         client = QdrantClient(path=str(settings.qdrant_path))
         tune_local_storage(client)
