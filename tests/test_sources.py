@@ -564,6 +564,39 @@ def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
     assert failure.uri == "root/b.md" and "symlink" in failure.error
 
 
+def test_file_swapped_for_a_fifo_after_the_walk_is_reported_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import quarry.sources as sources
+
+    (tmp_path / "a.md").write_text("# A\n\nfine\n")
+    victim = tmp_path / "b.md"
+    victim.write_text("# B\n\nfine\n")
+    walk = sources._walk
+
+    def walk_then_swap(spec: SourceSpec) -> Iterator[object]:
+        listed = list(walk(spec))
+        victim.unlink()
+        os.mkfifo(victim)
+        yield from listed
+
+    monkeypatch.setattr(sources, "_walk", walk_then_swap)
+    items: list[object] = []
+    # A blocking open would wait for a writer forever: run it where the test can give up.
+    reader = threading.Thread(target=lambda: items.extend(iter_documents(open_source(tmp_path))))
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():
+        with open(victim, "wb"):  # release the reader so the test process can exit
+            pass
+        pytest.fail("the loader waited for a writer on a FIFO")
+    assert [d.uri for d in items if isinstance(d, Document)] == [f"{tmp_path.name}/a.md"]
+    [failure] = [f for f in items if isinstance(f, LoadFailure)]
+    assert failure.uri == f"{tmp_path.name}/b.md" and "not a regular file" in failure.error
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_a_file_longer_than_its_stat_size_is_read_whole() -> None:
     # /proc files stat as 0 bytes; the loader reads what fstat reports, then on to the end.

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from stat import S_ISDIR
+from stat import S_ISDIR, S_ISREG
 from typing import Any
 
 from quarry.documents import Document, FileStamp
@@ -698,7 +698,8 @@ def _load_file(
     skips resolving each path again (one lstat per path component) and opens with
     ``O_NOFOLLOW`` instead, which also refuses a file swapped for a symlink since.
     """
-    flags = os.O_RDONLY | (os.O_NOFOLLOW if no_follow else 0)
+    # O_NONBLOCK: a path swapped for a FIFO since the walk must not wait for a writer.
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if no_follow else 0)
     # Taken before the file is opened, so a change while it is read is never stamped as seen.
     loaded_at = datetime.now(UTC).isoformat()
     try:
@@ -706,6 +707,8 @@ def _load_file(
             stat = os.fstat(handle.fileno())
             if S_ISDIR(stat.st_mode):
                 raise _fail(uri, "is a directory")
+            if not S_ISREG(stat.st_mode):
+                raise _fail(uri, _NOT_REGULAR)
             if stat.st_size > max_file_bytes:
                 raise _fail(
                     uri,
