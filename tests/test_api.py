@@ -106,7 +106,7 @@ AppFactory = Callable[..., TestClient]
 
 
 def _start_app(
-    stack: ExitStack, data_dir: Path, source: Path, url: str, **overrides: Any
+    stack: ExitStack, data_dir: Path, source: Path, url: str, root_path: str = "", **overrides: Any
 ) -> TestClient:
     shutil.copytree(source, data_dir, ignore=shutil.ignore_patterns(".lock"))
     values: dict[str, Any] = {
@@ -117,7 +117,9 @@ def _start_app(
         "retry_budget": 0.0,
     }
     values.update(overrides)
-    client = TestClient(create_app(Settings(**values)), raise_server_exceptions=False)
+    client = TestClient(
+        create_app(Settings(**values)), raise_server_exceptions=False, root_path=root_path
+    )
     return stack.enter_context(client)
 
 
@@ -449,6 +451,36 @@ def test_a_request_without_the_key_is_refused_before_its_body_is_read(
     assert "content-length" not in streamed.request.headers
     assert_error(streamed, 413, "body_too_large")
     assert query(app, {"query": "alpha"}).status_code == 200
+
+
+def test_the_key_is_checked_before_the_body_under_a_root_path(make_app: AppFactory) -> None:
+    # Mounted under a prefix (a proxy, `uvicorn --root-path`), the path the server sees
+    # starts with it: the early check must still know a protected route.
+    app = make_app(root_path="/search")
+    json_type = {"Content-Type": "application/json"}
+    refused = app.post("/search/v1/query", content=b"{not json", headers=json_type)
+    assert_error(refused, 401, "unauthorized")  # a 422 would mean the body was parsed
+    assert_error(app.get("/search/v1/collections"), 401, "unauthorized")
+    answered = app.post("/search/v1/query", json={"query": "alpha"}, headers=AUTH)
+    assert answered.status_code == 200, answered.text
+
+
+def test_the_query_route_checks_the_key_itself(
+    make_app: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Defence in depth: with the middleware's early check out of the way, the route
+    # (which skips FastAPI's dependency for speed) still refuses.
+    import quarry.api as api
+
+    monkeypatch.setattr(api, "_refuse_early", lambda scope, settings, request_id: None)
+    app = make_app()
+    body = {"query": "alpha"}
+    assert_error(app.post("/v1/query", json=body), 401, "unauthorized")
+    wrong = app.post("/v1/query", json=body, headers={"Authorization": f"Bearer {KEY}x"})
+    assert_error(wrong, 401, "unauthorized")
+    assert wrong.headers["www-authenticate"] == "Bearer"
+    assert_error(app.get("/v1/collections"), 401, "unauthorized")
+    assert query(app, body).status_code == 200
 
 
 def test_a_key_read_with_a_trailing_newline_still_matches(make_app: AppFactory) -> None:
@@ -811,6 +843,9 @@ def test_openapi_documents_examples_and_the_error_shape(app: TestClient) -> None
     assert error_ref.endswith("/ErrorBody")
     assert "HTTPValidationError" not in json.dumps(schema)
     assert schema["components"]["securitySchemes"]["QuarryApiKey"]["scheme"] == "bearer"
+    for path, method in (("/v1/query", "post"), ("/v1/collections", "get")):
+        assert schema["paths"][path][method]["security"] == [{"QuarryApiKey": []}]
+    assert "security" not in schema["paths"]["/healthz"]["get"]
 
 
 # -- client pieces ----------------------------------------------------------------------------

@@ -541,7 +541,7 @@ def _refuse_early(scope: Scope, settings: Settings, request_id: str) -> Response
     buffer and parse what it sends.
     """
     headers = dict(scope["headers"])
-    if _auth_enforced(settings) and scope["path"].startswith(_PROTECTED_PREFIX):
+    if _auth_enforced(settings) and _route_path(scope).startswith(_PROTECTED_PREFIX):
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not _key_matches(given.strip(), settings):
             return error_body(
@@ -560,6 +560,16 @@ def _refuse_early(scope: Scope, settings: Settings, request_id: str) -> Response
             request_id,
         )
     return None
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the router matches: ``path`` less the ``root_path`` the app is mounted under
+    (a proxy's prefix, ``uvicorn --root-path``)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :]
+    return path
 
 
 def _limited(receive: Receive, limit: int) -> Receive:
@@ -1088,10 +1098,18 @@ async def require_api_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """401 unless the request carries the API key (compared in constant time, never logged)."""
+    check_api_key(
+        f"{credentials.scheme} {credentials.credentials}" if credentials is not None else None,
+        settings,
+    )
+
+
+def check_api_key(authorization: str | None, settings: Settings) -> None:
+    """Raise a 401 ApiError unless ``authorization`` is ``Bearer <QUARRY_API_KEY>``."""
     if not _auth_enforced(settings):
         return
-    given = credentials.credentials if credentials is not None else ""
-    if not _key_matches(given, settings):
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not _key_matches(given.strip(), settings):
         raise ApiError(401, "unauthorized", _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -1234,7 +1252,9 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     @app.post(
         "/v1/query",
         response_model=QueryResponse,
-        dependencies=protected,
+        # The key is checked in the handler: FastAPI's dependency resolution costs more
+        # than the check itself on the route every application calls all day.
+        openapi_extra={"security": [{_bearer.scheme_name: []}]} if protected else None,
         tags=["query"],
         summary="Search the index",
         responses={
@@ -1250,7 +1270,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         },
     )
     async def query(
-        service: QueryServiceDep,
+        request: Request,
         body: Annotated[
             QueryRequest,
             Body(
@@ -1266,7 +1286,9 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         ],
     ) -> Response:
         """Embed the query with the index's model, search, rerank, threshold, top_k."""
-        answer, headers = await service.query(body)
+        if protected:
+            check_api_key(request.headers.get("authorization"), settings)
+        answer, headers = await (await get_query_service(request)).query(body)
         return Response(
             answer.model_dump_json().encode("utf-8"),
             media_type="application/json",
