@@ -94,6 +94,11 @@ def template(tmp_path_factory: pytest.TempPathFactory, tei: LocalTEIServer) -> P
     return base / "data"
 
 
+# qdrant-client checks a server's version from a thread of its own; against a Qdrant
+# that is down it warns whenever that thread gets there, which may be a later test.
+pytestmark = pytest.mark.filterwarnings("ignore:Failed to obtain server version:UserWarning")
+
+
 def _dead_url() -> str:
     """A loopback URL where nothing listens: connections are refused at once."""
     with socket.socket() as sock:
@@ -483,6 +488,14 @@ def test_the_query_route_checks_the_key_itself(
     assert query(app, body).status_code == 200
 
 
+@pytest.mark.parametrize("key", ["clé-secrète", "two words", "tab\there"])
+def test_a_key_no_header_can_carry_stops_startup(tmp_path: Path, key: str) -> None:
+    settings = Settings(data_dir=tmp_path, api_key=SecretStr(key))
+    with pytest.raises(ConfigError, match="QUARRY_API_KEY") as refused:
+        create_app(settings)
+    assert key not in str(refused.value)  # the key itself is never printed
+
+
 def test_a_key_read_with_a_trailing_newline_still_matches(make_app: AppFactory) -> None:
     app = make_app(api_key=SecretStr(KEY + "\n"))
     assert query(app, {"query": "alpha"}).status_code == 200
@@ -657,6 +670,19 @@ def test_a_query_too_long_for_the_reranker_alone_is_a_422(
     assert short_tei.stats.requests[("POST", "/rerank")] <= 4
 
 
+def test_truncate_also_cuts_a_query_too_long_for_the_reranker(make_app: AppFactory) -> None:
+    config = LocalTEIConfig(backend="hash", dims=32, max_input_length=128)
+    with LocalTEIServer(config) as reranker:
+        app = make_app(rerank_url=reranker.url, rerank_required=True)
+        long_query = " ".join(["gamma", "rays", "photons", "decay"] * 40)
+        assert 128 < count_tokens(long_query) < 512  # fits the embedder, not the reranker
+        assert_error(query(app, {"query": long_query}), 422, "query_too_long")
+        cut = query(app, {"query": long_query, "truncate": True})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["reranked"] is True and cut.json()["truncated"] is True
+        assert cut.json()["results"][0]["uri"] == "corpus/notes/gamma.txt"
+
+
 def _foreign_collection(data: Path, size: int, payload: dict[str, Any]) -> Path:
     """A collection quarry did not create (no fingerprint), aliased ``test``."""
     from qdrant_client import QdrantClient, models
@@ -717,8 +743,13 @@ def test_reranker_down_answers_from_vector_scores_with_a_warning(make_app: AppFa
     assert all(result["rerank_score"] is None for result in body["results"])
     assert "rerank failed" in response.headers["warning"]
     assert any("rerank failed" in warning for warning in body["warnings"])
-    ready = assert_error(app.get("/readyz"), 503, "not_ready")
-    assert "reranker" in ready["message"]
+    assert not any("127.0.0.1" in warning for warning in body["warnings"])
+    # Queries are answered, so the instance is ready; the check says what is missing.
+    ready = app.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    reranker = ready.json()["checks"]["reranker"]
+    assert reranker["ok"] is False and reranker["required"] is False
+    assert "vector scores" in reranker["detail"] and "127.0.0.1" not in reranker["detail"]
 
 
 @pytest.mark.parametrize("required", [False, True])
@@ -752,6 +783,10 @@ def test_reranker_down_is_a_503_when_rerank_is_required(make_app: AppFactory) ->
     app = make_app(rerank_url=_dead_url(), rerank_required=True)
     error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
     assert error["dependency"] == "reranker"
+    assert "127.0.0.1" not in error["message"]
+    ready = assert_error(app.get("/readyz"), 503, "not_ready")
+    assert "reranker" in ready["message"] and "127.0.0.1" not in ready["message"]
+    assert app.get("/readyz").json()["checks"]["reranker"]["required"] is True
     # Without rerank the reranker is not needed.
     assert query(app, {"query": "gamma", "rerank": False}).status_code == 200
 
@@ -761,12 +796,62 @@ def test_embedding_service_down_is_a_503_naming_it(make_app: AppFactory) -> None
     app = make_app(embed_url=dead, rerank_url=dead)
     error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
     assert error["dependency"] == "embedding service"
+    assert dead not in error["message"] and "cannot connect" in error["message"]
     ready = assert_error(app.get("/readyz"), 503, "not_ready")
     assert "embedding" in ready["message"]
     assert app.get("/readyz").json()["checks"]["qdrant"]["ok"] is True
 
 
-@pytest.mark.filterwarnings("ignore:Failed to obtain server version")
+def test_a_down_embedding_service_is_not_asked_again_by_every_query(
+    make_app: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quarry.api as api
+    from quarry.errors import ServiceUnavailable
+
+    monkeypatch.setattr(api, "EMBED_COOLDOWN_S", 0.3)
+    app = make_app(retry_budget=30.0)
+    assert query(app, {"query": "gamma"}).status_code == 200  # verified, then the outage
+    embedder = app.app_state["query_service"].embedder
+    real = embedder.embed_query
+    budgets: list[float] = []
+    url = "http://10.9.8.7:8001/v1/embeddings"
+
+    async def down_once(*args: Any, retry: Any, **kwargs: Any) -> list[float]:
+        budgets.append(retry.budget)
+        if len(budgets) == 1:
+            raise ServiceUnavailable(url, f"still failing after retrying for 5s: {url}: refused")
+        return await real(*args, retry=retry, **kwargs)
+
+    embedder.embed_query = down_once
+    first = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    # A query waits QUERY_EMBED_RETRY_S at most, not the ingest's QUARRY_RETRY_BUDGET.
+    assert budgets == [api.QUERY_EMBED_RETRY_S]
+    assert "10.9.8.7" not in first["message"] and "refused" in first["message"]
+    again = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    assert "ago" in again["message"] and "10.9.8.7" not in again["message"]
+    assert len(budgets) == 1  # within the cooldown: not asked
+    time.sleep(0.35)
+    assert query(app, {"query": "gamma"}).status_code == 200
+    assert len(budgets) == 2
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (
+            "still failing after retrying for 2s: http://10.0.0.5:8013/info: cannot connect",
+            "still failing after retrying for 2s: cannot connect",
+        ),
+        ("HTTP 500 from https://tei.internal/rerank (see logs)", "HTTP 500 from <service URL> (see logs)"),
+    ],
+)  # fmt: skip
+def test_errors_sent_to_clients_carry_no_service_url(message: str, reason: str) -> None:
+    from quarry.api import _reason
+    from quarry.errors import ServiceUnavailable
+
+    assert _reason(ServiceUnavailable("http://10.0.0.5:8013/rerank", message)) == reason
+
+
 def test_qdrant_down_is_a_503_naming_it(make_app: AppFactory) -> None:
     app = make_app(qdrant_url=_dead_url())
     error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
@@ -838,7 +923,7 @@ def test_openapi_documents_examples_and_the_error_shape(app: TestClient) -> None
     schema = app.get("/openapi.json").json()
     operation = schema["paths"]["/v1/query"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["examples"]
-    assert set(operation["responses"]) >= {"200", "401", "409", "422", "503"}
+    assert set(operation["responses"]) >= {"200", "401", "409", "413", "422", "503"}
     error_ref = operation["responses"]["422"]["content"]["application/json"]["schema"]["$ref"]
     assert error_ref.endswith("/ErrorBody")
     assert "HTTPValidationError" not in json.dumps(schema)
@@ -884,6 +969,81 @@ def test_concurrent_rerank_clients_share_one_info_fetch_under_the_callers_budget
     outcomes = asyncio.run(main())
     assert all(isinstance(outcome, ServiceUnavailable) for outcome in outcomes)
     assert budgets == [2.0]  # one fetch for the four, under the query's budget
+
+
+def test_input_slots_cap_what_is_in_flight_first_come_first_served() -> None:
+    import asyncio
+
+    from quarry._async_clients import InputSlots
+
+    slots = InputSlots()
+    in_flight = peak = 0
+    order: list[str] = []
+
+    async def use(name: str, count: int, hold: float) -> None:
+        nonlocal in_flight, peak
+        async with slots.hold(count, 4):
+            order.append(name)
+            in_flight += min(count, 4)
+            peak = max(peak, in_flight)
+            await asyncio.sleep(hold)
+            in_flight -= min(count, 4)
+
+    async def main() -> None:
+        first = asyncio.create_task(use("a", 3, 0.05))
+        await asyncio.sleep(0)
+        # b (2) does not fit beside a (3); c (1) would, but it queued after b.
+        rest = [asyncio.create_task(use(n, k, 0.01)) for n, k in (("b", 2), ("c", 1))]
+        cancelled = asyncio.create_task(use("x", 2, 0.01))
+        big = asyncio.create_task(use("big", 10, 0.01))  # over the limit: runs alone
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(first, *rest, big)
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        async with slots.hold(4, 4):  # nothing leaked: the whole limit is free again
+            pass
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert order == ["a", "b", "c", "big"]
+    assert peak <= 4
+
+
+def test_a_busy_reranker_is_waited_for_not_taken_for_down() -> None:
+    import asyncio
+
+    from quarry._async_clients import AsyncEmbeddingClient, AsyncRerankClient
+    from quarry._http import RetryPolicy
+
+    # TEI takes a permit per input and answers 429 at once when none is free: 12
+    # queries of 8 passages (96 inputs) against 8 permits. With no retries at all,
+    # a 429 would fail a query; the clients must queue instead.
+    no_retry = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
+    config = LocalTEIConfig(
+        backend="hash", dims=8, max_concurrent_requests=8, max_client_batch_size=4,
+        latency_ms=20.0,
+    )  # fmt: skip
+    with LocalTEIServer(config) as tei:
+
+        async def main() -> tuple[list[list[float]], list[list[float]]]:
+            reranker = AsyncRerankClient(tei.url, retry=no_retry)
+            embedder = AsyncEmbeddingClient(tei.url, retry=no_retry)
+            try:
+                passages = [f"passage {i} about topic {i % 3}" for i in range(8)]
+                scores = await asyncio.gather(
+                    *(reranker.score(f"query {q}", passages) for q in range(12))
+                )
+                vectors = await asyncio.gather(
+                    *(embedder.embed_query(f"query {q}") for q in range(24))
+                )
+                return scores, vectors
+            finally:
+                await reranker.aclose()
+                await embedder.aclose()
+
+        scores, vectors = asyncio.run(main())
+    assert [len(s) for s in scores] == [8] * 12
+    assert len(vectors) == 24 and all(len(v) == 8 for v in vectors)
 
 
 def test_local_qdrant_is_opened_on_the_thread_that_uses_it(

@@ -16,8 +16,10 @@ fingerprint construction. The query path only reads, so the store has no writes.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -53,6 +55,70 @@ T = TypeVar("T")
 # Keep-alive connections per client: enough for the API's concurrency without a new
 # TCP handshake per request.
 _LIMITS = httpx2.Limits(max_connections=256, max_keepalive_connections=64)
+
+
+# -- inputs in flight ------------------------------------------------------------------------
+
+
+class InputSlots:
+    """At most ``limit`` inputs in flight to one service; callers over it wait their turn.
+
+    TEI takes a concurrency permit per input and answers 429 at once when none is
+    free (``max_concurrent_requests`` in ``/info``): 80 queries reranking 50
+    candidates each would be 4,000 inputs against TEI's default 512. Waiting here,
+    first come first served, keeps a busy but healthy service from looking down.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight = 0
+        self._waiting: collections.deque[tuple[int, int, asyncio.Future[None]]] = (
+            collections.deque()
+        )
+
+    @contextlib.asynccontextmanager
+    async def hold(self, count: int, limit: int | None) -> AsyncIterator[None]:
+        """Hold ``count`` slots (at most ``limit``, all of them for a larger request)
+        while the block runs; no ``limit`` (a service without ``/info``) holds none."""
+        if not limit or count <= 0:
+            yield
+            return
+        count = min(count, limit)
+        if self._waiting or self._in_flight + count > limit:
+            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry = (count, limit, granted)
+            self._waiting.append(entry)
+            try:
+                await granted
+            except BaseException:
+                if granted.done() and not granted.cancelled():
+                    self._release(count)  # granted as it was cancelled: give it back
+                else:
+                    with contextlib.suppress(ValueError):  # _grant may have dropped it
+                        self._waiting.remove(entry)
+                    self._grant()
+                raise
+        else:
+            self._in_flight += count
+        try:
+            yield
+        finally:
+            self._release(count)
+
+    def _release(self, count: int) -> None:
+        self._in_flight -= count
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting:
+            count, limit, granted = self._waiting[0]
+            if granted.done():  # its waiter was cancelled and has not run yet
+                self._waiting.popleft()
+                continue
+            if self._in_flight + count > limit:
+                return
+            self._waiting.popleft()
+            self._in_flight += count
+            granted.set_result(None)
 
 
 # -- retries and one exchange ---------------------------------------------------------------
@@ -201,6 +267,7 @@ class AsyncEmbeddingClient:
         )
         self._info: ServiceInfo | None = None
         self._info_lock = asyncio.Lock()
+        self._slots = InputSlots()
 
     async def info(self, *, refresh: bool = False, retry: RetryPolicy | None = None) -> ServiceInfo:
         """The service's identity and limits, fetched once (again with ``refresh``)."""
@@ -266,9 +333,11 @@ class AsyncEmbeddingClient:
     async def _post(
         self, texts: list[str], policy: RetryPolicy, *, unit: bool = True
     ) -> list[list[float]]:
-        if self.dialect == "tei":
-            return await self._post_tei(texts, policy, unit)
-        return await self._post_openai(texts, policy, unit)
+        limit = (await self.info(retry=policy)).max_concurrent_requests
+        async with self._slots.hold(len(texts), limit):
+            if self.dialect == "tei":
+                return await self._post_tei(texts, policy, unit)
+            return await self._post_openai(texts, policy, unit)
 
     async def _post_tei(
         self, texts: list[str], policy: RetryPolicy, unit: bool
@@ -353,6 +422,7 @@ class AsyncRerankClient:
         self._info: ServiceInfo | None = None
         self._info_loaded = False
         self._info_fetch: asyncio.Future[None] | None = None
+        self._slots = InputSlots()
 
     async def info(self, *, retry: RetryPolicy | None = None) -> ServiceInfo | None:
         """TEI ``/info`` of the reranker (fetched once), or None when it has none.
@@ -465,9 +535,11 @@ class AsyncRerankClient:
             body = {"query": query, "documents": texts, "top_n": len(texts)}
             if self._model:
                 body["model"] = self._model
-        answer = await arequest_json(
-            self._http, policy, "POST", url, json_body=body, dialect_hint=_HINT[dialect]
-        )
+        info = await self.info(retry=policy)
+        async with self._slots.hold(len(texts), info.max_concurrent_requests if info else None):
+            answer = await arequest_json(
+                self._http, policy, "POST", url, json_body=body, dialect_hint=_HINT[dialect]
+            )
         return _parse_scores(url, answer, len(texts))
 
     async def aclose(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import hmac
 import ipaddress
@@ -36,7 +37,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -123,6 +124,11 @@ RERANK_COOLDOWN_S = 10.0
 """How long queries answer from vector scores without asking a reranker that failed."""
 QUERY_RERANK_RETRY_S = 2.0
 """The most a query waits on a failing reranker before it falls back (or, required, fails)."""
+EMBED_COOLDOWN_S = 5.0
+"""How long queries get their 503 at once, without asking an embedding service that failed."""
+QUERY_EMBED_RETRY_S = 5.0
+"""The most a query waits on a failing embedding service before its 503 (a service
+restarting takes seconds; a client's timeout is often 30 s)."""
 _RERANK_WARNING = '199 quarry "rerank failed; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
@@ -162,7 +168,7 @@ class QueryFilter(BaseModel):
 _QUERY_EXAMPLE: dict[str, Any] = {
     "query": "How do I rotate the API keys?",
     "top_k": 5,
-    "filter": {"uri_prefix": "docs/operations"},
+    "filter": {"uri_prefix": "docs/operations.md"},
 }
 
 
@@ -262,10 +268,15 @@ class Check(BaseModel):
 
     ok: bool
     detail: str
+    required: bool = Field(
+        True,
+        description="Whether readiness depends on it: the reranker only with "
+        "QUARRY_RERANK_REQUIRED (otherwise queries answer from vector scores without it).",
+    )
 
 
 class ReadyBody(BaseModel):
-    """Everything the API needs answers."""
+    """Everything the API needs answers (an optional reranker may be down: see its check)."""
 
     status: Literal["ready"]
     checks: dict[str, Check]
@@ -335,11 +346,16 @@ def _dependency_down(dependency: str, error: BaseException) -> ApiError:
 
 
 def _reason(error: BaseException) -> str:
-    """An error's message without the internal URL that service errors start with."""
+    """An error's message for a client: without the internal service URLs in it (the
+    server's log has them), wherever a wrapped error put them."""
     text = str(error) or type(error).__name__
-    if isinstance(error, ServiceError):
-        text = text.removeprefix(f"{error.url}: ")
-    return text[:500]
+    text = _URL_LEAD.sub("", text)
+    return _URL.sub("<service URL>", text)[:500]
+
+
+# "http://host:port/path: " as service errors start (also inside a wrapping error's text).
+_URL_LEAD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://\S+?: ")
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s)\]'\"]+")
 
 
 _REFUSAL_KIND: dict[type[Refused], str] = {
@@ -615,6 +631,40 @@ class _Refusal:
     message: str
 
 
+class _Outage:
+    """A dependency's last failure, after which it is not asked again for ``cooldown_s``:
+    every query would otherwise wait out its retries against a service known to be down."""
+
+    def __init__(self, cooldown_s: float) -> None:
+        self.cooldown_s = cooldown_s
+        self._last: tuple[float, ServiceUnavailable] | None = None  # (time.monotonic(), error)
+
+    def check(self) -> None:
+        """Raise ServiceUnavailable while the last failure is under ``cooldown_s`` old."""
+        last = self._last
+        if last is None:
+            return
+        age = time.monotonic() - last[0]
+        if age >= self.cooldown_s:
+            return
+        # A new error each time: raising the cached one would grow its traceback (and
+        # keep every failed query's locals alive) until the service is back.
+        raise ServiceUnavailable(
+            last[1].url,
+            f"failed {age:.1f}s ago ({_reason(last[1])}); "
+            f"asked again {self.cooldown_s:g}s after that",
+            status=last[1].status,
+        )
+
+    def failed(self, error: ServiceUnavailable) -> None:
+        """Record a failure (its retries spent): the cooldown starts now."""
+        self._last = (time.monotonic(), error)
+
+    def recovered(self) -> None:
+        """The dependency answered."""
+        self._last = None
+
+
 class QueryService:
     """The API's query path over the async clients; one per app, built in the lifespan."""
 
@@ -634,10 +684,13 @@ class QueryService:
         self._judged_at = -math.inf  # time.monotonic() of the last verdict
         self._lock = asyncio.Lock()
         self._recheck: asyncio.Task[None] | None = None
-        # (until when, the error): a reranker outage, not asked again before then.
-        self._reranker_down: tuple[float, ServiceUnavailable] | None = None
+        self._reranker_outage = _Outage(RERANK_COOLDOWN_S)
+        self._embedding_outage = _Outage(EMBED_COOLDOWN_S)
         self._rerank_retry = dataclasses.replace(
             retry_policy(settings), budget=min(settings.retry_budget, QUERY_RERANK_RETRY_S)
+        )
+        self._embed_retry = dataclasses.replace(
+            retry_policy(settings), budget=min(settings.retry_budget, QUERY_EMBED_RETRY_S)
         )
 
     # -- the fingerprint verdict, cached ---------------------------------------------------
@@ -693,10 +746,37 @@ class QueryService:
             self._recheck = None
 
     async def verify(self, retry: RetryPolicy | None = None) -> Fingerprint:
-        """Read the stored and the live fingerprints afresh and judge them (updates the cache)."""
+        """Read the stored and the live fingerprints afresh and judge them (updates the cache).
+
+        ``retry`` defaults to a query's (QUERY_EMBED_RETRY_S).
+        """
         stored = await self._stored()
-        live = await self._call(_EMBEDDING, self.embedder.read_fingerprint(retry=retry))
+        live = await self._from_embedder(self.embedder.read_fingerprint, retry=retry)
         return self._judge(stored, live)
+
+    async def _from_embedder(
+        self,
+        request: Callable[..., Awaitable[T]],
+        *,
+        retry: RetryPolicy | None = None,
+        query_input: bool = False,
+    ) -> T:
+        """``await request(retry=...)`` of the embedding service (see :meth:`_call`); at once
+        a 503 while it is known down. A failure under a query's own retries (no ``retry``)
+        starts EMBED_COOLDOWN_S."""
+
+        async def guarded() -> T:
+            self._embedding_outage.check()
+            try:
+                answer = await request(retry=retry or self._embed_retry)
+            except ServiceUnavailable as error:
+                if retry is None:
+                    self._embedding_outage.failed(error)
+                raise
+            self._embedding_outage.recovered()
+            return answer
+
+        return await self._call(_EMBEDDING, guarded(), query_input=query_input)
 
     async def _stored(self) -> _Stored:
         physical = await self._call(_QDRANT, self.store.resolve())
@@ -795,14 +875,15 @@ class QueryService:
         if body.rerank and hits:
             mark = time.perf_counter()
             try:
-                scores = await self._rerank(text, rerank_texts(hits))
+                scores, cut = await self._rerank_fitted(text, rerank_texts(hits), body.truncate)
+                truncated = truncated or cut
                 outcome = "reranked"
             except QueryTooLong:
                 raise ApiError(
                     422,
                     "query_too_long",
                     "the query is too long for the reranker on its own (its max_input_length); "
-                    'shorten it, or send "rerank": false',
+                    'shorten it, send "truncate": true to cut it, or send "rerank": false',
                 ) from None
             except _DEPENDENCY_ERRORS as error:
                 if self.settings.rerank_required:
@@ -842,24 +923,42 @@ class QueryService:
         would otherwise wait out the retries before falling back to vector scores.
         The retries of one query are capped at QUERY_RERANK_RETRY_S for the same reason.
         """
-        down = self._reranker_down
-        if down is not None and time.monotonic() < down[0]:
-            # A new error each time: raising the cached one would grow its traceback
-            # (and keep every failed query's locals alive) until the reranker is back.
-            raise ServiceUnavailable(
-                down[1].url,
-                f"failed {time.monotonic() - down[0] + RERANK_COOLDOWN_S:.1f}s ago "
-                f"({str(down[1]).removeprefix(down[1].url + ': ')}); "
-                f"asked again {RERANK_COOLDOWN_S:g}s after that",
-                status=down[1].status,
-            )
+        self._reranker_outage.check()
         try:
             scores = await self.reranker.score(query, texts, retry=self._rerank_retry)
         except ServiceUnavailable as error:
-            self._reranker_down = (time.monotonic() + RERANK_COOLDOWN_S, error)
+            self._reranker_outage.failed(error)
             raise
-        self._reranker_down = None
+        self._reranker_outage.recovered()
         return scores
+
+    async def _rerank_fitted(
+        self, query: str, texts: list[str], truncate: bool
+    ) -> tuple[list[float], bool]:
+        """Rerank scores, and whether the query was cut for them: with ``truncate``, a
+        query too long for the reranker on its own is cut to half its input limit (room
+        for the passages beside it), else halved, until it fits."""
+        try:
+            return await self._rerank(query, texts), False
+        except QueryTooLong:
+            if not truncate:
+                raise
+        from quarry.chunking import count_tokens
+
+        info = await self.reranker.info(retry=self._rerank_retry)
+        limit = info.max_input_length if info is not None else None
+        for _attempt in range(4):
+            tokens = count_tokens(query)
+            # tiktoken is not the reranker's tokenizer: the margin is wide on purpose.
+            target = min(tokens - 1, limit // 2) if limit else tokens // 2
+            if target < 1:
+                break
+            query = _cut_to_tokens(query, target)
+            try:
+                return await self._rerank(query, texts), True
+            except QueryTooLong:
+                limit = None  # the estimate missed: halve from here on
+        raise QueryTooLong(self.reranker.base_url, "no cut of the query fits the reranker")
 
     def _fit_query(self, query: str, truncate: bool) -> tuple[str, bool]:
         """The query within QUARRY_MAX_QUERY_TOKENS: as is, cut (``truncate``), or a 422."""
@@ -889,8 +988,9 @@ class QueryService:
         truncated = False
         for _attempt in range(4):
             try:
-                vector = await self._call(
-                    _EMBEDDING, self.embedder.embed_query(text, task=task), query_input=True
+                vector = await self._from_embedder(
+                    functools.partial(self.embedder.embed_query, text, task=task),
+                    query_input=True,
                 )
             except _TooLong as error:
                 info = await self._call(_EMBEDDING, self.embedder.info())
@@ -971,10 +1071,14 @@ class QueryService:
             checks["embedding"] = Check(ok=False, detail=_check_detail(live))
         else:
             checks["embedding"] = Check(ok=True, detail=live.model.describe())
+        required = self.settings.rerank_required
         if isinstance(reranker, BaseException):
-            checks["reranker"] = Check(ok=False, detail=_check_detail(reranker))
+            detail = _check_detail(reranker)
+            if not required:
+                detail += "; queries answer from vector scores (QUARRY_RERANK_REQUIRED is off)"
+            checks["reranker"] = Check(ok=False, detail=detail, required=required)
         else:
-            checks["reranker"] = Check(ok=True, detail="answers")
+            checks["reranker"] = Check(ok=True, detail="answers", required=required)
         if isinstance(stored, BaseException) or isinstance(live, BaseException):
             checks["fingerprint"] = Check(ok=False, detail="not checked: a dependency is down")
         else:
@@ -1125,6 +1229,22 @@ def _api_key(settings: Settings) -> str | None:
     return key or None
 
 
+_HEADER_SAFE_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def check_api_key_setting(settings: Settings) -> None:
+    """Refuse (ConfigError) an API key that no client could send: a header carries
+    printable ASCII, and a space would end the bearer token."""
+    key = _api_key(settings)
+    if key is not None and not _HEADER_SAFE_KEY.fullmatch(key):
+        raise ConfigError(
+            "QUARRY_API_KEY holds characters an HTTP header cannot carry (only printable "
+            "ASCII without spaces works in `Authorization: Bearer <key>`): no client could "
+            "send it. Choose another key, e.g. `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`."
+        )
+
+
 def _key_matches(given: str, settings: Settings) -> bool:
     """Whether ``given`` is the API key, compared in constant time (never logged)."""
     expected = _api_key(settings)
@@ -1158,6 +1278,14 @@ _ERR_422 = _error_response(
         "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
     },
 )
+_ERR_413 = _error_response(
+    "A body over QUARRY_API_MAX_BODY_BYTES (refused before it is read).",
+    {
+        "type": "body_too_large",
+        "message": "the request body is over 1048576 bytes (QUARRY_API_MAX_BODY_BYTES)",
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+    },
+)
 _ERR_401 = _error_response(
     "No or wrong API key.",
     {
@@ -1181,7 +1309,8 @@ _ERR_503 = _error_response(
     "A dependency is down (named in `dependency`), or the index does not exist yet.",
     {
         "type": "dependency_unavailable",
-        "message": "embedding service unavailable: cannot connect: [Errno 111] Connection refused",
+        "message": "embedding service unavailable: still failing after retrying for 5s: "
+        "cannot connect: [Errno 111] Connection refused",
         "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
         "dependency": "embedding service",
     },
@@ -1244,6 +1373,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         ),
         lifespan=lifespan,
     )
+    check_api_key_setting(settings)
     app.state.settings = settings
     app.state.startup_error = None
     protected = [Depends(require_api_key)] if _auth_enforced(settings) else []
@@ -1265,6 +1395,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
             },
             **common_errors,
             409: _ERR_409,
+            413: _ERR_413,
             422: _ERR_422,
             503: _ERR_503,
         },
@@ -1327,7 +1458,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     async def readyz(request: Request, service: QueryServiceDep) -> Response:
         """Embedding service, reranker and Qdrant answer, and the fingerprint is compatible."""
         checks = await service.readiness()
-        failed = [name for name, check in checks.items() if not check.ok]
+        failed = [name for name, check in checks.items() if not check.ok and check.required]
         if not failed:
             return Response(
                 ReadyBody(status="ready", checks=checks).model_dump_json().encode("utf-8"),
