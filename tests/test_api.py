@@ -835,6 +835,25 @@ def test_a_down_embedding_service_is_not_asked_again_by_every_query(
     assert len(budgets) == 2
 
 
+def test_a_failure_on_one_input_starts_no_cooldown(make_app: AppFactory) -> None:
+    from quarry.errors import ServiceUnavailable
+
+    app = make_app()
+    assert query(app, {"query": "gamma"}).status_code == 200
+    embedder = app.app_state["query_service"].embedder
+    real = embedder.embed_query
+
+    async def fails_on_poison(query_text: str, **kwargs: Any) -> list[float]:
+        if "poison" in query_text:  # the model fails on this input (TEI: 424)
+            raise ServiceUnavailable("http://tei/v1/embeddings", "Inference failed", status=424)
+        return await real(query_text, **kwargs)
+
+    embedder.embed_query = fails_on_poison
+    assert_error(query(app, {"query": "poison"}), 503, "dependency_unavailable")
+    # The next query is answered: the service was up all along.
+    assert query(app, {"query": "gamma"}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("message", "reason"),
     [
@@ -843,6 +862,7 @@ def test_a_down_embedding_service_is_not_asked_again_by_every_query(
             "still failing after retrying for 2s: cannot connect",
         ),
         ("HTTP 500 from https://tei.internal/rerank (see logs)", "HTTP 500 from <service URL> (see logs)"),
+        ("HTTP 500 from http://[fd00::5]:8013/rerank (see logs)", "HTTP 500 from <service URL> (see logs)"),
     ],
 )  # fmt: skip
 def test_errors_sent_to_clients_carry_no_service_url(message: str, reason: str) -> None:
@@ -982,7 +1002,7 @@ def test_input_slots_cap_what_is_in_flight_first_come_first_served() -> None:
 
     async def use(name: str, count: int, hold: float) -> None:
         nonlocal in_flight, peak
-        async with slots.hold(count, 4):
+        async with slots.hold(count, 4, url="http://tei", wait_s=10.0):
             order.append(name)
             in_flight += min(count, 4)
             peak = max(peak, in_flight)
@@ -1001,7 +1021,7 @@ def test_input_slots_cap_what_is_in_flight_first_come_first_served() -> None:
         await asyncio.gather(first, *rest, big)
         with pytest.raises(asyncio.CancelledError):
             await cancelled
-        async with slots.hold(4, 4):  # nothing leaked: the whole limit is free again
+        async with slots.hold(4, 4, url="http://tei", wait_s=0.0):  # nothing leaked
             pass
 
     asyncio.run(asyncio.wait_for(main(), 10))
@@ -1016,9 +1036,9 @@ def test_a_busy_reranker_is_waited_for_not_taken_for_down() -> None:
     from quarry._http import RetryPolicy
 
     # TEI takes a permit per input and answers 429 at once when none is free: 12
-    # queries of 8 passages (96 inputs) against 8 permits. With no retries at all,
-    # a 429 would fail a query; the clients must queue instead.
-    no_retry = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
+    # queries of 8 passages (96 inputs) against 8 permits. The clients must queue
+    # for room, not send what TEI would refuse.
+    policy = RetryPolicy(budget=20.0, initial=0.0, maximum=0.0, jitter=0.0)
     config = LocalTEIConfig(
         backend="hash", dims=8, max_concurrent_requests=8, max_client_batch_size=4,
         latency_ms=20.0,
@@ -1026,8 +1046,8 @@ def test_a_busy_reranker_is_waited_for_not_taken_for_down() -> None:
     with LocalTEIServer(config) as tei:
 
         async def main() -> tuple[list[list[float]], list[list[float]]]:
-            reranker = AsyncRerankClient(tei.url, retry=no_retry)
-            embedder = AsyncEmbeddingClient(tei.url, retry=no_retry)
+            reranker = AsyncRerankClient(tei.url, retry=policy)
+            embedder = AsyncEmbeddingClient(tei.url, retry=policy)
             try:
                 passages = [f"passage {i} about topic {i % 3}" for i in range(8)]
                 scores = await asyncio.gather(
@@ -1042,8 +1062,100 @@ def test_a_busy_reranker_is_waited_for_not_taken_for_down() -> None:
                 await embedder.aclose()
 
         scores, vectors = asyncio.run(main())
+        assert tei.stats.responses.get(429, 0) == 0
+        assert tei.stats.peak_in_flight <= 8
     assert [len(s) for s in scores] == [8] * 12
     assert len(vectors) == 24 and all(len(v) == 8 for v in vectors)
+
+
+def test_a_reranker_with_fewer_permits_than_its_batch_size_still_scores() -> None:
+    import asyncio
+
+    from quarry._async_clients import AsyncRerankClient
+
+    config = LocalTEIConfig(backend="hash", dims=8, max_concurrent_requests=4)
+    with LocalTEIServer(config) as tei:
+
+        async def main() -> list[float]:
+            reranker = AsyncRerankClient(tei.url)
+            try:
+                return await reranker.score("q", [f"passage {i}" for i in range(10)])
+            finally:
+                await reranker.aclose()
+
+        assert len(asyncio.run(main())) == 10
+        assert tei.stats.responses.get(429, 0) == 0
+
+
+def test_input_slots_wait_no_longer_than_the_budget() -> None:
+    import asyncio
+
+    from quarry._async_clients import InputSlots
+    from quarry.errors import ServiceUnavailable
+
+    slots = InputSlots()
+
+    async def main() -> ServiceUnavailable:
+        held = asyncio.Event()
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with slots.hold(4, 4, url="http://tei", wait_s=1.0):
+                held.set()
+                await release.wait()
+
+        task = asyncio.create_task(holder())
+        await held.wait()
+        with pytest.raises(ServiceUnavailable) as busy:
+            async with slots.hold(1, 4, url="http://tei", wait_s=0.05):
+                pass
+        release.set()
+        await task
+        async with slots.hold(4, 4, url="http://tei", wait_s=0.0):  # nothing leaked
+            pass
+        return busy.value
+
+    error = asyncio.run(asyncio.wait_for(main(), 10))
+    assert error.status == 429 and "max_concurrent_requests (4)" in str(error)
+
+
+def test_one_failed_rerank_batch_cancels_the_others() -> None:
+    import asyncio
+    import json as jsonlib
+
+    import httpx2
+
+    from quarry._async_clients import AsyncRerankClient
+    from quarry.errors import RequestRejected
+
+    cancelled: list[str] = []
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/info":
+            return httpx2.Response(404)
+        texts = jsonlib.loads(await request.aread())["texts"]
+        if texts == ["bad"]:
+            return httpx2.Response(400, json={"error": "no", "error_type": "Validation"})
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.extend(texts)
+            raise
+        return httpx2.Response(200, json=[{"index": 0, "score": 0.5}])
+
+    async def main() -> None:
+        client = AsyncRerankClient(
+            "http://tei", dialect="tei", batch_size=1, transport=httpx2.MockTransport(handler)
+        )
+        try:
+            with pytest.raises(RequestRejected):
+                await client.score("q", ["slow", "bad", "slower"])
+            # Cancelled by score() itself, before it raised (not at the loop's shutdown).
+            assert sorted(cancelled) == ["slow", "slower"]
+        finally:
+            await client.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
 
 
 def test_local_qdrant_is_opened_on_the_thread_that_uses_it(

@@ -359,3 +359,22 @@ def test_a_rerank_score_that_is_not_a_finite_number_is_a_bad_response() -> None:
     with pytest.raises(BadResponse, match="not a finite number") as caught:
         reranker.score("q", ["a", "b"])
     assert URL in str(caught.value)
+
+
+def test_no_retry_waits_past_the_budget_even_when_the_server_asks() -> None:
+    from quarry._http import TransientFailure
+
+    attempts: list[int] = []
+    sleeps: list[float] = []
+
+    def busy() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise TransientFailure(URL, "HTTP 503", status=503, retry_after=20.0)
+        return "answered"
+
+    retrying = RetryPolicy(budget=1.0).retrying().copy(sleep=sleeps.append)
+    # A 20 s Retry-After against a 1 s budget: give up now, not after 20 s.
+    with pytest.raises(TransientFailure):
+        retrying(busy)
+    assert attempts == [1] and sleeps == []

@@ -76,9 +76,15 @@ class InputSlots:
         )
 
     @contextlib.asynccontextmanager
-    async def hold(self, count: int, limit: int | None) -> AsyncIterator[None]:
+    async def hold(
+        self, count: int, limit: int | None, *, url: str, wait_s: float
+    ) -> AsyncIterator[None]:
         """Hold ``count`` slots (at most ``limit``, all of them for a larger request)
-        while the block runs; no ``limit`` (a service without ``/info``) holds none."""
+        while the block runs; no ``limit`` (a service without ``/info``) holds none.
+
+        Waits at most ``wait_s`` (the caller's retry budget: TEI's 429 would have cost
+        as much) for room, then raises ServiceUnavailable (status 429) naming ``url``.
+        """
         if not limit or count <= 0:
             yield
             return
@@ -88,7 +94,15 @@ class InputSlots:
             entry = (count, limit, granted)
             self._waiting.append(entry)
             try:
-                await granted
+                async with asyncio.timeout(wait_s):
+                    await granted
+            except TimeoutError:
+                raise ServiceUnavailable(
+                    url,
+                    f"busy: {self._in_flight} inputs in flight, as many as its "
+                    f"max_concurrent_requests ({limit}) allows; waited {wait_s:g}s for room",
+                    status=429,
+                ) from None
             except BaseException:
                 if granted.done() and not granted.cancelled():
                     self._release(count)  # granted as it was cancelled: give it back
@@ -316,7 +330,10 @@ class AsyncEmbeddingClient:
     ) -> list[list[float]]:
         """Embed texts exactly as given (probes, the canary), one request per batch; the
         vectors are the service's own, not scaled (the fingerprint reads normalisation)."""
-        size = (await self.info()).max_client_batch_size or DEFAULT_BATCH_SIZE
+        info = await self.info()
+        size = info.max_client_batch_size or DEFAULT_BATCH_SIZE
+        if info.max_concurrent_requests:
+            size = min(size, info.max_concurrent_requests)  # TEI: a permit per input
         out: list[list[float]] = []
         for start in range(0, len(texts), size):
             batch = list(texts[start : start + size])
@@ -334,7 +351,7 @@ class AsyncEmbeddingClient:
         self, texts: list[str], policy: RetryPolicy, *, unit: bool = True
     ) -> list[list[float]]:
         limit = (await self.info(retry=policy)).max_concurrent_requests
-        async with self._slots.hold(len(texts), limit):
+        async with self._slots.hold(len(texts), limit, url=self.base_url, wait_s=policy.budget):
             if self.dialect == "tei":
                 return await self._post_tei(texts, policy, unit)
             return await self._post_openai(texts, policy, unit)
@@ -459,6 +476,9 @@ class AsyncRerankClient:
         """Texts per request (rerank texts count against ``max_client_batch_size``)."""
         info = await self.info(retry=retry)
         limit = (info.max_client_batch_size if info else None) or DEFAULT_RERANK_BATCH
+        if info is not None and info.max_concurrent_requests:
+            # TEI takes a permit per text: a request over its permits could never pass.
+            limit = min(limit, info.max_concurrent_requests)
         return min(limit, self._batch_size) if self._batch_size else limit
 
     async def probe(self, *, retry: RetryPolicy | None = None) -> None:
@@ -479,9 +499,19 @@ class AsyncRerankClient:
         guard = _QueryGuard(self, query, policy)
         if len(batches) == 1:
             return await self._score_resilient(query, batches[0], policy, guard)
-        parts = await asyncio.gather(
-            *(self._score_resilient(query, batch, policy, guard) for batch in batches)
-        )
+        tasks = [
+            asyncio.ensure_future(self._score_resilient(query, batch, policy, guard))
+            for batch in batches
+        ]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            # One batch failed (or the query was cancelled): the others' answers are no
+            # use now, and they would go on queueing for slots and retrying.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return [score for part in parts for score in part]
 
     async def _score_resilient(
@@ -536,7 +566,8 @@ class AsyncRerankClient:
             if self._model:
                 body["model"] = self._model
         info = await self.info(retry=policy)
-        async with self._slots.hold(len(texts), info.max_concurrent_requests if info else None):
+        limit = info.max_concurrent_requests if info else None
+        async with self._slots.hold(len(texts), limit, url=url, wait_s=policy.budget):
             answer = await arequest_json(
                 self._http, policy, "POST", url, json_body=body, dialect_hint=_HINT[dialect]
             )

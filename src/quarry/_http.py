@@ -102,7 +102,9 @@ class RetryPolicy:
         """A tenacity controller for one logical request."""
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_transient),
-            stop=tenacity.stop_after_delay(self.budget),
+            # Before, not after: no wait (a long Retry-After) and no attempt that would
+            # start past the budget, so a caller waits at most about the budget.
+            stop=tenacity.stop_before_delay(self.budget),
             wait=_RetryAfterOrBackoff(self.initial, self.maximum, self.jitter),
             reraise=True,
             sleep=time.sleep,

@@ -355,7 +355,7 @@ def _reason(error: BaseException) -> str:
 
 # "http://host:port/path: " as service errors start (also inside a wrapping error's text).
 _URL_LEAD = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://\S+?: ")
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s)\]'\"]+")
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s)'\"]+")
 
 
 _REFUSAL_KIND: dict[type[Refused], str] = {
@@ -657,8 +657,11 @@ class _Outage:
         )
 
     def failed(self, error: ServiceUnavailable) -> None:
-        """Record a failure (its retries spent): the cooldown starts now."""
-        self._last = (time.monotonic(), error)
+        """Record a failure (its retries spent): the cooldown starts now, when the service
+        is unreachable or says it is down (502, 503, 504). A busy one (429) or one that
+        failed on this input (424, 500) may serve the next query."""
+        if error.status in (None, 502, 503, 504):
+            self._last = (time.monotonic(), error)
 
     def recovered(self) -> None:
         """The dependency answered."""
