@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 
 def configure_prefect_environment(data_dir: Path) -> None:
@@ -29,15 +33,21 @@ def configure_prefect_environment(data_dir: Path) -> None:
 
 
 @contextmanager
-def embedded_flow_runs() -> Iterator[None]:
-    """Run flows in this block without flow-run heartbeats when Prefect is embedded.
+def embedded_flow_runs(interrupted: str = "") -> Iterator[None]:
+    """Run flows in this block as an embedded Prefect suits: no heartbeats, and Ctrl-C
+    stops the process at once (saying ``interrupted``, exit 130).
 
     A heartbeat (Prefect's default: every 180 s, from a thread that sleeps in
     one-second steps) lets a server notice that a run's process died; it also holds
     every flow run's exit for up to a second while that thread wakes up, which was
     most of a re-ingest's time. An embedded (ephemeral) server lives in the process
-    that runs the flow and dies with it, so there is no one to notice. With a Prefect
-    server (``PREFECT_API_URL``) the heartbeats stay.
+    that runs the flow and dies with it, so there is no one to notice.
+
+    That server is a child in the terminal's process group: Ctrl-C stops it too, and
+    Prefect then spent minutes retrying it (tracebacks, exit 1) while the batches in
+    flight went on. quarry's runs are built to survive being killed at any point (a
+    rerun resumes, nothing lost or written twice), so the first Ctrl-C stops the
+    server and exits. With a Prefect server (``PREFECT_API_URL``) nothing changes.
     """
     from prefect.settings import temporary_settings
 
@@ -47,8 +57,45 @@ def embedded_flow_runs() -> Iterator[None]:
             yield
             return
         _filter_once("EventsWorker", _NoDrainNotice)
-        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        with (
+            temporary_settings(updates={"flows.heartbeat_frequency": None}),
+            _stop_at_once_on_ctrl_c(interrupted),
+        ):
             yield
+
+
+@contextmanager
+def _stop_at_once_on_ctrl_c(note: str) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        sys.stderr.write(f"\ninterrupted{': ' + note if note else ''}\n")
+        sys.stderr.flush()
+        _stop_embedded_prefect_server()
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop_embedded_prefect_server() -> None:
+    """Terminate Prefect's temporary server (a Ctrl-C sent to this process alone spares
+    it, and an exit without atexit handlers would leave it running)."""
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        servers = list(getattr(SubprocessASGIServer, "_instances", {}).values())
+    except Exception:  # Prefect moved it: the terminal's Ctrl-C reached it anyway
+        return
+    for server in servers:
+        process = getattr(server, "server_process", None)
+        if process is not None and process.poll() is None:
+            process.terminate()
 
 
 class _NoDrainNotice(logging.Filter):

@@ -295,3 +295,68 @@ def test_a_source_with_no_file_to_index_says_so(
     assert result.returncode == 0, result.stderr
     notes = json.loads(result.stdout)["notes"]
     assert any("empty: no file to index" in note for note in notes), notes
+
+
+def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    import signal
+
+    files = {
+        f"doc{i:02d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(40)
+    }
+    corpus = write_corpus(tmp_path / "kb", files)
+    embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    # One request of 4 inputs at a time, 0.25 s each: the ingest takes a while.
+    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=250.0, max_concurrent_requests=4)
+    with LocalTEIServer(config) as slow:
+        env = {**embedded, "QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": slow.url}
+        log = tmp_path / "stderr.txt"
+        with log.open("w") as stderr:
+            # A session of its own: the terminal's Ctrl-C reaches the whole process
+            # group, Prefect's temporary server included.
+            process = subprocess.Popen(
+                [*QUARRY, "ingest", str(corpus)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        try:
+            deadline = time.monotonic() + 240
+            while "Finished in state Completed" not in log.read_text():
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "no batch was written"
+                time.sleep(0.2)
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=30) == 130, log.read_text()
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        said = log.read_text()
+        assert "interrupted: a rerun picks up where this one stopped" in said
+        assert "Traceback" not in said
+        for _ in range(50):  # nothing of the group is left (Prefect's server is stopped)
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("a process of the interrupted ingest is still running")
+
+    served = {"QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
+    rerun = run(
+        ["ingest", str(corpus), "--json"], {**served, "QUARRY_DATA_DIR": env["QUARRY_DATA_DIR"]}
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["documents_failed"] == 0
+    assert 0 < summary["documents_skipped"] < 160  # what was written before Ctrl-C is kept
+    clean = run(["ingest", str(corpus)], {**served, "QUARRY_DATA_DIR": str(tmp_path / "clean")})
+    assert clean.returncode == 0, clean.stderr
+    resumed, whole = (
+        json.loads(run(["status", "--json"], {**served, "QUARRY_DATA_DIR": d}).stdout)
+        for d in (env["QUARRY_DATA_DIR"], str(tmp_path / "clean"))
+    )
+    assert (resumed["documents"], resumed["points"]) == (whole["documents"], whole["points"])

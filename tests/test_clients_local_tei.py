@@ -198,3 +198,19 @@ def test_a_corpus_of_long_inputs_is_counted_before_sending(clean: LocalTEIServer
     assert refused_while_learning == 2
     assert clean.stats.responses.get(422, 0) == 0  # counted first now: nothing refused
     assert _tokenize_calls(clean) > 0
+
+
+def test_batches_fit_a_service_with_fewer_permits_than_its_batch_size() -> None:
+    # TEI takes a permit per input: a batch of 32 against 4 permits is refused forever.
+    config = LocalTEIConfig(backend="hash", dims=8, max_concurrent_requests=4)
+    with LocalTEIServer(config) as tei:
+        embedder = EmbeddingClient(tei.url, retry=FAST_RETRY)
+        reranker = RerankClient(tei.url, retry=FAST_RETRY)
+        try:
+            vectors = embedder.embed_passages([f"passage {i}" for i in range(20)])
+            scores = reranker.score("query", [f"passage {i}" for i in range(10)])
+        finally:
+            embedder.close()
+            reranker.close()
+        assert len(vectors) == 20 and len(scores) == 10
+        assert tei.stats.responses.get(429, 0) == 0

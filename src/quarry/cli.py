@@ -179,7 +179,8 @@ def ingest(
     with _errors_to_exit_codes():
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
-    with _errors_to_exit_codes(), _ingest_progress(), embedded_flow_runs():
+    stopped = "a rerun picks up where this one stopped (nothing is lost or written twice)"
+    with _errors_to_exit_codes(), _ingest_progress(), embedded_flow_runs(stopped):
         from flows.ingest import ingest_flow
 
         summary = ingest_flow(
@@ -438,7 +439,8 @@ def reindex(
     with _errors_to_exit_codes():
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
-    with _errors_to_exit_codes(), embedded_flow_runs():
+    stopped = "the alias was not switched: queries still use the collection they used"
+    with _errors_to_exit_codes(), embedded_flow_runs(stopped):
         from flows.reindex import reindex_flow
 
         report = reindex_flow(

@@ -243,8 +243,14 @@ class EmbeddingClient:
 
     @property
     def batch_size(self) -> int:
-        """Inputs per request: the service's limit, lowered by ``QUARRY_EMBED_BATCH_SIZE``."""
+        """Inputs per request: the service's limit, lowered by ``QUARRY_EMBED_BATCH_SIZE``.
+
+        Never over ``max_concurrent_requests`` either: TEI takes a permit per input, so
+        a larger request is refused (429) however long it waits.
+        """
         limit = self.info.max_client_batch_size or DEFAULT_BATCH_SIZE
+        if self.info.max_concurrent_requests:
+            limit = min(limit, self.info.max_concurrent_requests)
         return min(limit, self._batch_size) if self._batch_size else limit
 
     @property
