@@ -26,9 +26,9 @@ from typing import Any, Protocol
 from qdrant_client import models
 
 from quarry.chunking import Chunker
-from quarry.documents import Chunk, Document, point_id
+from quarry.documents import Chunk, Document, FileStamp, point_id
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
-from quarry.errors import MassDeleteRefused, QuarryError, SourceNotFound
+from quarry.errors import MassDeleteRefused, QuarryError, SourceNotFound, WriteFailed
 from quarry.fingerprint import (
     Fingerprint,
     build_fingerprint,
@@ -309,6 +309,22 @@ class IndexSync:
     def is_current(self, plan: SourcePlan, document: Document) -> bool:
         """True when ``document`` is indexed as it is now, so it needs no embedding."""
         return self.document_is_current(plan.state.get(document.doc_id), document.doc_hash)
+
+    def refresh_stamp(self, plan: SourcePlan, document: Document) -> None:
+        """Store the file stamp a current document was just read with, when its points
+        carry another (a file touched, copied or checked out again, its text the same):
+        the next sync then trusts the stamp and does not read the file again."""
+        state = plan.state.get(document.doc_id)
+        stamp = FileStamp.from_metadata(document.metadata)
+        if state is None or stamp is None or state.stamps == {stamp}:
+            return
+        ids = [point_id(document.doc_id, index) for index in sorted(state.indexes)]
+        try:
+            self.store.update_point_metadata(ids, stamp.to_metadata())
+        except WriteFailed as error:  # only costs a read next time
+            logger.warning("could not record the new file stamp of %s: %s", document.uri, error)
+        else:
+            state.stamps = {stamp}
 
     def document_is_current(self, state: DocState | None, doc_hash: str) -> bool:
         """True when ``state`` is one complete write of ``doc_hash`` with today's settings
@@ -781,6 +797,7 @@ def _pending_documents(
         seen.add(item.doc_id)
         if sync.is_current(plan, item):
             report.documents_skipped += 1
+            sync.refresh_stamp(plan, item)
             continue
         yield item
 

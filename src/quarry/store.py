@@ -515,6 +515,23 @@ class VectorStore:
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"upsert of {len(points)} points ended {result.status}")
 
+    def update_point_metadata(self, ids: Sequence[str], fields: Mapping[str, Any]) -> None:
+        """Set ``fields`` inside the ``metadata`` payload of the points ``ids`` (a file
+        stamp, say), leaving everything else in each payload as it is."""
+        if not ids:
+            return
+        name = self._require()
+        with self._write_lock:
+            try:
+                with _one_transaction(self.client, name):
+                    self._writer.set_payload(
+                        name, payload=dict(fields), points=list(ids), key="metadata", wait=True
+                    )
+            except Exception as error:  # qdrant-client raises transport-specific types
+                raise WriteFailed(
+                    name, f"updating the metadata of {len(ids)} points failed: {error}"
+                ) from error
+
     def delete_stale_chunks(self, doc_id: str, chunk_count: int) -> None:
         """Delete a document's points from ``chunk_count`` on (left over from a longer version)."""
         self._delete(
