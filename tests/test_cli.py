@@ -195,6 +195,19 @@ def test_query_refuses_a_different_model(
     assert "Traceback" not in ingest.stderr, ingest.stderr
 
 
+def test_a_query_too_long_for_the_model_is_a_usage_error(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    data = str(tmp_path / "d")
+    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma"})
+    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
+    assert run(["ingest", str(corpus)], env).returncode == 0
+    answered = run(["query", "long " * 2000], env)
+    assert answered.returncode == 2, answered.stderr
+    assert "the query is too long for the model" in answered.stderr
+    assert "Traceback" not in answered.stderr
+
+
 def test_parity_gives_key_protected_candidates_the_services_key(
     tmp_path: Path, prefect_api: str
 ) -> None:

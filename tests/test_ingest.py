@@ -449,6 +449,24 @@ def test_another_model_is_refused_naming_both(harness: Harness) -> None:
     assert "seed" in str(caught.value) or "hash" in str(caught.value)
 
 
+def test_another_model_of_another_size_is_named_with_its_own_size_and_key(
+    harness: Harness,
+) -> None:
+    from quarry.fingerprint import read_fingerprint
+
+    harness.run()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as other:
+        embedder = EmbeddingClient(other.url, retry=NO_WAIT)
+        try:
+            live = read_fingerprint(embedder)
+        finally:
+            embedder.close()
+        with pytest.raises(FingerprintMismatch) as caught:
+            harness.run(url=other.url)
+    assert f"now serves {live.model.describe()}" in str(caught.value)
+    assert "(8d," in live.model.describe()
+
+
 class _SwappedVectors(httpx2.BaseTransport):
     """A service that claims one model in /info but embeds with another (a silent swap)."""
 

@@ -17,7 +17,14 @@ import typer
 from pydantic import ValidationError
 
 from quarry.config import Settings, describe_invalid, get_settings, http_url
-from quarry.errors import ConfigError, QuarryError, Refused, SourceNotFound
+from quarry.errors import (
+    ConfigError,
+    InputTooLong,
+    QuarryError,
+    QueryTooLong,
+    Refused,
+    SourceNotFound,
+)
 
 if TYPE_CHECKING:
     from quarry.search import SearchResponse
@@ -238,7 +245,17 @@ def query(
                 allow_serving_change=settings.allow_serving_change,
                 canary_min_cosine=settings.canary_min_cosine,
             )
-            response = searcher.search(text, top_k=k, candidates=candidates, rerank=not no_rerank)
+            try:
+                response = searcher.search(
+                    text, top_k=k, candidates=candidates, rerank=not no_rerank
+                )
+            except InputTooLong as error:  # the question's fault, not the service's
+                reranker = isinstance(error, QueryTooLong)
+                _fail(
+                    f"the query is too long for the {'reranker' if reranker else 'model'} "
+                    f"({error}); shorten it{', or pass --no-rerank' if reranker else ''}",
+                    EXIT_USAGE,
+                )
 
     def human() -> None:
         print_response(response)

@@ -28,7 +28,13 @@ from qdrant_client import models
 from quarry.chunking import Chunker
 from quarry.documents import Chunk, Document, FileStamp, point_id
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
-from quarry.errors import MassDeleteRefused, QuarryError, SourceNotFound, WriteFailed
+from quarry.errors import (
+    FingerprintMismatch,
+    MassDeleteRefused,
+    QuarryError,
+    SourceNotFound,
+    WriteFailed,
+)
 from quarry.fingerprint import (
     Fingerprint,
     build_fingerprint,
@@ -201,7 +207,17 @@ class IndexSync:
         claimed = build_fingerprint(
             self.embedder.info, stored.canary, self.embedder.profile.name, self.embedder.query_task
         )
-        self._check(stored, claimed)
+        try:
+            self._check(stored, claimed)
+        except FingerprintMismatch as refused:
+            # Another model: refused either way, but the claim carries the stored size and
+            # so a key no collection has. Name the live model as it is (one canary request).
+            try:
+                live = read_fingerprint(self.embedder)
+            except QuarryError:
+                raise refused from None
+            self._check(stored, live)  # raises, describing the live model truly
+            claimed = live  # its vectors say otherwise after all: judged on them
         self._stored = stored
         recorded = metadata.get(META_CHUNKING)
         if recorded is not None and dict(recorded) != self.settings:
