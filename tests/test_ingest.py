@@ -239,8 +239,21 @@ def test_a_deleted_file_synced_alone_loses_its_documents(harness: Harness) -> No
     uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
     assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
     # Gone and never indexed (a typo, or synced already): refused, naming it.
-    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file, and no document of"):
+    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file or folder, and no doc"):
         harness.run(source=harness.root / "alpha.md")
+
+
+def test_an_indexed_folder_that_is_gone_is_refused_naming_its_source(harness: Harness) -> None:
+    import shutil
+
+    harness.run()
+    before = harness.points()
+    shutil.rmtree(harness.root)  # unmounted, say: its documents must stay
+    with pytest.raises(
+        SourceNotFound, match=r"a folder of this name was indexed \(source 'corpus'"
+    ):
+        harness.run()
+    assert harness.points() == before
 
 
 def test_a_typo_for_a_file_is_refused_before_anything_is_created(harness: Harness) -> None:

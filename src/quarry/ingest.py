@@ -658,12 +658,24 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
             state = store.index_state(spec.name) if store.exists() else {}
             indexed[spec.name] = {_file_uri(doc.uri) for doc in state.values()}
         uri = f"{spec.uri_prefix}{spec.file}"
-        if uri not in indexed[spec.name]:
+        if uri in indexed[spec.name]:
+            continue
+        path = str(spec.root / str(spec.file))
+        # A folder that was indexed is a source named after it, not a file of its parent.
+        folder = Path(str(spec.file)).name
+        held = len(store.index_state(folder)) if "/" not in str(spec.file) and store.exists() else 0
+        if held:
             raise SourceNotFound(
-                str(spec.root / str(spec.file)),
-                f"no such file, and no document of {uri!r} is indexed (a file synced "
-                "alone is named after its own folder)",
+                path,
+                f"no such file or folder; a folder of this name was indexed (source "
+                f"{folder!r}, {held} documents), and they are left as they are. Is it "
+                "unmounted or moved? Ingest it where it is now.",
             )
+        raise SourceNotFound(
+            path,
+            f"no such file or folder, and no document of {uri!r} is indexed (a file "
+            "synced alone is named after its own folder)",
+        )
 
 
 def _file_uri(uri: str) -> str:
