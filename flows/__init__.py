@@ -33,9 +33,10 @@ def configure_prefect_environment(data_dir: Path) -> None:
 
 
 @contextmanager
-def embedded_flow_runs(interrupted: str = "") -> Iterator[None]:
+def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Iterator[None]:
     """Run flows in this block as an embedded Prefect suits: no heartbeats, and Ctrl-C
-    stops the process at once (saying ``interrupted``, exit 130).
+    stops the process at once (saying ``interrupted``, exit 130), or, with
+    ``clean_up_s``, after at most that long for the run's own clean-up.
 
     A heartbeat (Prefect's default: every 180 s, from a thread that sleeps in
     one-second steps) lets a server notice that a run's process died; it also holds
@@ -47,7 +48,10 @@ def embedded_flow_runs(interrupted: str = "") -> Iterator[None]:
     Prefect then spent minutes retrying it (tracebacks, exit 1) while the batches in
     flight went on. quarry's runs are built to survive being killed at any point (a
     rerun resumes, nothing lost or written twice), so the first Ctrl-C stops the
-    server and exits. With a Prefect server (``PREFECT_API_URL``) nothing changes.
+    server and exits. A run that cleans up after itself (a reindex drops its
+    unfinished collection) gets KeyboardInterrupt instead, and ``clean_up_s`` to
+    finish before the process exits all the same; a second Ctrl-C exits at once.
+    With a Prefect server (``PREFECT_API_URL``) nothing changes.
     """
     from prefect.settings import temporary_settings
 
@@ -59,22 +63,37 @@ def embedded_flow_runs(interrupted: str = "") -> Iterator[None]:
         _filter_once("EventsWorker", _NoDrainNotice)
         with (
             temporary_settings(updates={"flows.heartbeat_frequency": None}),
-            _stop_at_once_on_ctrl_c(interrupted),
+            _stop_on_ctrl_c(interrupted, clean_up_s),
         ):
             yield
 
 
 @contextmanager
-def _stop_at_once_on_ctrl_c(note: str) -> Iterator[None]:
+def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
+    said = f"interrupted{': ' + note if note else ''}"
+    cleaning = threading.Event()
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        sys.stderr.write(f"\ninterrupted{': ' + note if note else ''}\n")
+    def exit_now() -> None:
+        sys.stderr.write(f"\n{said}\n")
         sys.stderr.flush()
         _stop_embedded_prefect_server()
         os._exit(130)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if not clean_up_s or cleaning.is_set():
+            exit_now()
+        cleaning.set()
+        sys.stderr.write(f"\n{said} (cleaning up; Ctrl-C again to stop at once)\n")
+        sys.stderr.flush()
+        # Prefect then reports the crash to its server, which the terminal's Ctrl-C
+        # stopped too: that would take minutes of retries.
+        watchdog = threading.Timer(clean_up_s, exit_now)
+        watchdog.daemon = True
+        watchdog.start()
+        raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, stop)
     try:

@@ -208,6 +208,22 @@ def test_a_query_too_long_for_the_model_is_a_usage_error(
     assert "Traceback" not in answered.stderr
 
 
+def test_a_passage_too_long_for_a_required_reranker_is_not_blamed_on_the_query(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    data = str(tmp_path / "d")
+    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma delta. " * 60})
+    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
+    assert run(["ingest", str(corpus)], env).returncode == 0
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=24)) as short:
+        answered = run(
+            ["query", "alpha beta"],
+            {**env, "QUARRY_RERANK_URL": short.url, "QUARRY_RERANK_REQUIRED": "1"},
+        )
+    assert answered.returncode == 1, answered.stderr
+    assert "the query is too long" not in answered.stderr
+
+
 def test_parity_gives_key_protected_candidates_the_services_key(
     tmp_path: Path, prefect_api: str
 ) -> None:
@@ -373,3 +389,44 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
         for d in (env["QUARRY_DATA_DIR"], str(tmp_path / "clean"))
     )
     assert (resumed["documents"], resumed["points"]) == (whole["documents"], whole["points"])
+
+
+def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    import signal
+
+    files = {
+        f"doc{i:03d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(160)
+    }
+    corpus = write_corpus(tmp_path / "kb", files)
+    data = str(tmp_path / "d")
+    served = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
+    assert run(["ingest", str(corpus)], served).returncode == 0
+    before = json.loads(run(["collections", "--json"], served).stdout)
+    embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=250.0, max_concurrent_requests=4)
+    with LocalTEIServer(config) as slow:  # the same model, served slowly
+        log = tmp_path / "stderr.txt"
+        with log.open("w") as stderr:
+            process = subprocess.Popen(
+                [*QUARRY, "reindex"],
+                env={**embedded, "QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url},
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        try:
+            deadline = time.monotonic() + 240
+            while "re-embedded" not in log.read_text():
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, "the reindex never got going"
+                time.sleep(0.2)
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=60) == 130, log.read_text()
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    assert "interrupted" in log.read_text()
+    # The half-built collection was dropped; the alias still points where it did.
+    assert json.loads(run(["collections", "--json"], served).stdout) == before

@@ -601,6 +601,15 @@ def test_a_touched_file_is_read_once_then_trusted_again(
     assert (again.documents_embedded, again.files_unread, loads.uris) == (0, 4, [])
 
 
+def test_a_reread_of_unchanged_files_writes_nothing(harness: Harness) -> None:
+    _settle(harness.root)
+    harness.run()
+    before = harness.points()
+    report = harness.run(trust_file_stamps=False)  # `quarry ingest --reread`
+    assert (report.documents_embedded, report.files_unread) == (0, 0)
+    assert harness.points() == before  # not even a new loaded_at
+
+
 def test_a_change_that_keeps_mtime_and_size_is_found_with_stamps_untrusted(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

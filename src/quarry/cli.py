@@ -249,8 +249,12 @@ def query(
                 response = searcher.search(
                     text, top_k=k, candidates=candidates, rerank=not no_rerank
                 )
-            except InputTooLong as error:  # the question's fault, not the service's
+            except InputTooLong as error:
+                # The question's fault when the embedding model or, alone, the reranker
+                # refuses it; a stored passage too long for the reranker is not.
                 reranker = isinstance(error, QueryTooLong)
+                if not reranker and not error.url.endswith(("/embed", "/embeddings")):
+                    raise
                 _fail(
                     f"the query is too long for the {'reranker' if reranker else 'model'} "
                     f"({error}); shorten it{', or pass --no-rerank' if reranker else ''}",
@@ -456,8 +460,11 @@ def reindex(
     with _errors_to_exit_codes():
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
-    stopped = "the alias was not switched: queries still use the collection they used"
-    with _errors_to_exit_codes(), embedded_flow_runs(stopped):
+    stopped = (
+        "the alias moves only to a complete, verified collection, and an unfinished one "
+        "is dropped; `quarry collections` shows where it points"
+    )
+    with _errors_to_exit_codes(), embedded_flow_runs(stopped, clean_up_s=10.0):
         from flows.reindex import reindex_flow
 
         report = reindex_flow(

@@ -332,8 +332,15 @@ class IndexSync:
         the next sync then trusts the stamp and does not read the file again."""
         state = plan.state.get(document.doc_id)
         stamp = FileStamp.from_metadata(document.metadata)
-        if state is None or stamp is None or state.stamps == {stamp}:
+        if state is None or stamp is None:
             return
+        if any(
+            stored is not None
+            and stored.parts == stamp.parts
+            and stored.vouches_for(stamp.mtime, stamp.size, stamp.loader)
+            for stored in state.stamps
+        ):
+            return  # what is stored already vouches for the file (a --reread, say)
         ids = [point_id(document.doc_id, index) for index in sorted(state.indexes)]
         try:
             self.store.update_point_metadata(ids, stamp.to_metadata())
