@@ -331,13 +331,15 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
 ) -> None:
     import signal
 
+    # 160 documents: three batches (Prefect tasks) of at most 64, so one is done while
+    # the others are still being embedded.
     files = {
-        f"doc{i:02d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(40)
+        f"doc{i:03d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(160)
     }
     corpus = write_corpus(tmp_path / "kb", files)
     embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
-    # One request of 4 inputs at a time, 0.25 s each: the ingest takes a while.
-    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=250.0, max_concurrent_requests=4)
+    # One request of 4 inputs at a time, 0.15 s each: the ingest takes a while.
+    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
     with LocalTEIServer(config) as slow:
         env = {**embedded, "QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": slow.url}
         log = tmp_path / "stderr.txt"
@@ -365,7 +367,7 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
         said = log.read_text()
         assert "interrupted: a rerun picks up where this one stopped" in said
         assert "Traceback" not in said
-        for _ in range(50):  # nothing of the group is left (Prefect's server is stopped)
+        for _ in range(150):  # nothing of the group is left (Prefect's server is stopped)
             try:
                 os.killpg(process.pid, 0)
             except ProcessLookupError:
@@ -405,7 +407,7 @@ def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
     assert run(["ingest", str(corpus)], served).returncode == 0
     before = json.loads(run(["collections", "--json"], served).stdout)
     embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
-    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=250.0, max_concurrent_requests=4)
+    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
     with LocalTEIServer(config) as slow:  # the same model, served slowly
         log = tmp_path / "stderr.txt"
         with log.open("w") as stderr:
