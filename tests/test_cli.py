@@ -177,13 +177,21 @@ def test_ingest_query_status_round_trip(
     assert status["fingerprint"]["model"]["dimensions"] == 16
 
 
+def ingested(tmp_path: Path, url: str, prefect_api: str, files: dict[str, str]) -> dict[str, str]:
+    """Index ``files`` (folder kb) with the service at ``url``; the environment used."""
+    corpus = write_corpus(tmp_path / "kb", files)
+    env = {"QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": url}
+    env["PREFECT_API_URL"] = prefect_api
+    done = run(["ingest", str(corpus)], env)
+    assert done.returncode == 0, done.stderr
+    return env
+
+
 def test_query_refuses_a_different_model(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    data = str(tmp_path / "d")
-    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma"})
-    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
-    assert run(["ingest", str(corpus)], env).returncode == 0
+    env = ingested(tmp_path, tei.url, prefect_api, {"a.md": "alpha beta gamma"})
+    data, corpus = env["QUARRY_DATA_DIR"], tmp_path / "kb"
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, seed=3)) as other:
         refused = run(["query", "alpha"], {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": other.url})
         ingest = run(["ingest", str(corpus)], {**env, "QUARRY_EMBED_URL": other.url})
@@ -198,10 +206,7 @@ def test_query_refuses_a_different_model(
 def test_a_query_too_long_for_the_model_is_a_usage_error(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    data = str(tmp_path / "d")
-    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma"})
-    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
-    assert run(["ingest", str(corpus)], env).returncode == 0
+    env = ingested(tmp_path, tei.url, prefect_api, {"a.md": "alpha beta gamma"})
     answered = run(["query", "long " * 2000], env)
     assert answered.returncode == 2, answered.stderr
     assert "the query is too long for the model" in answered.stderr
@@ -211,10 +216,7 @@ def test_a_query_too_long_for_the_model_is_a_usage_error(
 def test_a_passage_too_long_for_a_required_reranker_is_not_blamed_on_the_query(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    data = str(tmp_path / "d")
-    corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta gamma delta. " * 60})
-    env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
-    assert run(["ingest", str(corpus)], env).returncode == 0
+    env = ingested(tmp_path, tei.url, prefect_api, {"a.md": "alpha beta gamma delta. " * 60})
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=24)) as short:
         answered = run(
             ["query", "alpha beta"],
@@ -326,60 +328,69 @@ def test_a_source_with_no_file_to_index_says_so(
     assert any("empty: no file to index" in note for note in notes), notes
 
 
+# 160 documents: three batches (Prefect tasks) of at most 64, so one is done while
+# the others are still being embedded; and a service that embeds them slowly (one
+# request of 4 inputs at a time, 0.15 s each), the model of the module's ``tei``.
+MANY_FILES = {
+    f"doc{i:03d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(160)
+}
+SLOW_TEI = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
+
+
+def ctrl_c_when(args: list[str], env: dict[str, str], marker: str, log: Path) -> str:
+    """Run quarry in embedded Prefect mode as a terminal does, send the whole process
+    group SIGINT once ``marker`` shows on stderr, and return stderr; asserts exit 130
+    and that no process of the group is left."""
+    import signal
+
+    embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    with log.open("w") as stderr:
+        # A session of its own: the terminal's Ctrl-C reaches the whole process
+        # group, Prefect's temporary server included.
+        process = subprocess.Popen(
+            [*QUARRY, *args],
+            env={**embedded, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while marker not in log.read_text():
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"{marker!r} never showed"
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=60) == 130, log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    for _ in range(150):  # nothing of the group is left (Prefect's server is stopped)
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"a process of the interrupted `quarry {args[0]}` is still running")
+    return log.read_text()
+
+
 def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    import signal
-
-    # 160 documents: three batches (Prefect tasks) of at most 64, so one is done while
-    # the others are still being embedded.
-    files = {
-        f"doc{i:03d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(160)
-    }
-    corpus = write_corpus(tmp_path / "kb", files)
-    embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
-    # One request of 4 inputs at a time, 0.15 s each: the ingest takes a while.
-    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
-    with LocalTEIServer(config) as slow:
-        env = {**embedded, "QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": slow.url}
-        log = tmp_path / "stderr.txt"
-        with log.open("w") as stderr:
-            # A session of its own: the terminal's Ctrl-C reaches the whole process
-            # group, Prefect's temporary server included.
-            process = subprocess.Popen(
-                [*QUARRY, "ingest", str(corpus)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        try:
-            deadline = time.monotonic() + 240
-            while "Finished in state Completed" not in log.read_text():
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "no batch was written"
-                time.sleep(0.2)
-            os.killpg(process.pid, signal.SIGINT)
-            assert process.wait(timeout=30) == 130, log.read_text()
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        said = log.read_text()
-        assert "interrupted: a rerun picks up where this one stopped" in said
-        assert "Traceback" not in said
-        for _ in range(150):  # nothing of the group is left (Prefect's server is stopped)
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("a process of the interrupted ingest is still running")
+    corpus = write_corpus(tmp_path / "kb", MANY_FILES)
+    data = str(tmp_path / "d")
+    with LocalTEIServer(SLOW_TEI) as slow:
+        env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url}
+        said = ctrl_c_when(
+            ["ingest", str(corpus)], env, "Finished in state Completed", tmp_path / "err"
+        )
+    assert "interrupted: a rerun picks up where this one stopped" in said
+    assert "Traceback" not in said
 
     served = {"QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
-    rerun = run(
-        ["ingest", str(corpus), "--json"], {**served, "QUARRY_DATA_DIR": env["QUARRY_DATA_DIR"]}
-    )
+    rerun = run(["ingest", str(corpus), "--json"], {**served, "QUARRY_DATA_DIR": data})
     assert rerun.returncode == 0, rerun.stderr
     summary = json.loads(rerun.stdout)
     assert summary["documents_failed"] == 0
@@ -388,7 +399,7 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
     assert clean.returncode == 0, clean.stderr
     resumed, whole = (
         json.loads(run(["status", "--json"], {**served, "QUARRY_DATA_DIR": d}).stdout)
-        for d in (env["QUARRY_DATA_DIR"], str(tmp_path / "clean"))
+        for d in (data, str(tmp_path / "clean"))
     )
     assert (resumed["documents"], resumed["points"]) == (whole["documents"], whole["points"])
 
@@ -396,39 +407,14 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
 def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    import signal
-
-    files = {
-        f"doc{i:03d}.md": f"# Doc {i}\n\n" + f"Sentence {i} on a topic. " * 40 for i in range(160)
-    }
-    corpus = write_corpus(tmp_path / "kb", files)
+    corpus = write_corpus(tmp_path / "kb", MANY_FILES)
     data = str(tmp_path / "d")
     served = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
     assert run(["ingest", str(corpus)], served).returncode == 0
     before = json.loads(run(["collections", "--json"], served).stdout)
-    embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
-    config = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
-    with LocalTEIServer(config) as slow:  # the same model, served slowly
-        log = tmp_path / "stderr.txt"
-        with log.open("w") as stderr:
-            process = subprocess.Popen(
-                [*QUARRY, "reindex"],
-                env={**embedded, "QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url},
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-        try:
-            deadline = time.monotonic() + 240
-            while "re-embedded" not in log.read_text():
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the reindex never got going"
-                time.sleep(0.2)
-            os.killpg(process.pid, signal.SIGINT)
-            assert process.wait(timeout=60) == 130, log.read_text()
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    assert "interrupted" in log.read_text()
+    with LocalTEIServer(SLOW_TEI) as slow:  # the same model, served slowly
+        env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url}
+        said = ctrl_c_when(["reindex"], env, "re-embedded", tmp_path / "err")
+    assert "interrupted" in said
     # The half-built collection was dropped; the alias still points where it did.
     assert json.loads(run(["collections", "--json"], served).stdout) == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -537,15 +537,13 @@ def test_a_pdf_padded_after_its_end_marker_loads(tmp_path: Path) -> None:
     assert "Padded text" in docs[0].text
 
 
-def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _swap_after_the_walk(
+    monkeypatch: pytest.MonkeyPatch, root: Path, swap: Callable[[Path], None]
+) -> Path:
+    """``root`` with a.md and b.md, b.md swapped by ``swap`` once the walk has listed it."""
     import quarry.sources as sources
 
-    outside = tmp_path / "outside.md"
-    outside.write_text("# Secret\n\nDo not index.\n")
-    root = tmp_path / "root"
-    root.mkdir()
+    root.mkdir(exist_ok=True)
     (root / "a.md").write_text("# A\n\nfine\n")
     victim = root / "b.md"
     victim.write_text("# B\n\nfine\n")
@@ -554,10 +552,20 @@ def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
     def walk_then_swap(spec: SourceSpec) -> Iterator[object]:
         listed = list(walk(spec))
         victim.unlink()
-        victim.symlink_to(outside)
+        swap(victim)
         yield from listed
 
     monkeypatch.setattr(sources, "_walk", walk_then_swap)
+    return victim
+
+
+def test_file_swapped_for_a_symlink_after_the_walk_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outside = tmp_path / "outside.md"
+    outside.write_text("# Secret\n\nDo not index.\n")
+    root = tmp_path / "root"
+    _swap_after_the_walk(monkeypatch, root, lambda victim: victim.symlink_to(outside))
     items = list(iter_documents(open_source(root)))
     assert [d.uri for d in items if not isinstance(d, LoadFailure)] == ["root/a.md"]
     [failure] = [f for f in items if isinstance(f, LoadFailure)]
@@ -569,20 +577,7 @@ def test_file_swapped_for_a_fifo_after_the_walk_is_reported_not_waited_on(
 ) -> None:
     import threading
 
-    import quarry.sources as sources
-
-    (tmp_path / "a.md").write_text("# A\n\nfine\n")
-    victim = tmp_path / "b.md"
-    victim.write_text("# B\n\nfine\n")
-    walk = sources._walk
-
-    def walk_then_swap(spec: SourceSpec) -> Iterator[object]:
-        listed = list(walk(spec))
-        victim.unlink()
-        os.mkfifo(victim)
-        yield from listed
-
-    monkeypatch.setattr(sources, "_walk", walk_then_swap)
+    victim = _swap_after_the_walk(monkeypatch, tmp_path, os.mkfifo)
     items: list[object] = []
     # A blocking open would wait for a writer forever: run it where the test can give up.
     reader = threading.Thread(target=lambda: items.extend(iter_documents(open_source(tmp_path))))
