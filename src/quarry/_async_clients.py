@@ -330,10 +330,7 @@ class AsyncEmbeddingClient:
     ) -> list[list[float]]:
         """Embed texts exactly as given (probes, the canary), one request per batch; the
         vectors are the service's own, not scaled (the fingerprint reads normalisation)."""
-        info = await self.info()
-        size = info.max_client_batch_size or DEFAULT_BATCH_SIZE
-        if info.max_concurrent_requests:
-            size = min(size, info.max_concurrent_requests)  # TEI: a permit per input
+        size = (await self.info()).inputs_per_request(DEFAULT_BATCH_SIZE)
         out: list[list[float]] = []
         for start in range(0, len(texts), size):
             batch = list(texts[start : start + size])
@@ -475,10 +472,7 @@ class AsyncRerankClient:
     async def batch_size(self, *, retry: RetryPolicy | None = None) -> int:
         """Texts per request (rerank texts count against ``max_client_batch_size``)."""
         info = await self.info(retry=retry)
-        limit = (info.max_client_batch_size if info else None) or DEFAULT_RERANK_BATCH
-        if info is not None and info.max_concurrent_requests:
-            # TEI takes a permit per text: a request over its permits could never pass.
-            limit = min(limit, info.max_concurrent_requests)
+        limit = info.inputs_per_request(DEFAULT_RERANK_BATCH) if info else DEFAULT_RERANK_BATCH
         return min(limit, self._batch_size) if self._batch_size else limit
 
     async def probe(self, *, retry: RetryPolicy | None = None) -> None:

@@ -557,9 +557,9 @@ def _refuse_early(scope: Scope, settings: Settings, request_id: str) -> Response
     buffer and parse what it sends.
     """
     headers = dict(scope["headers"])
-    if _auth_enforced(settings) and _route_path(scope).startswith(_PROTECTED_PREFIX):
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or not _key_matches(given.strip(), settings):
+    if _route_path(scope).startswith(_PROTECTED_PREFIX):
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if not _authorized(given, settings):
             return error_body(
                 401,
                 "unauthorized",
@@ -1205,19 +1205,22 @@ async def require_api_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
     """401 unless the request carries the API key (compared in constant time, never logged)."""
-    check_api_key(
-        f"{credentials.scheme} {credentials.credentials}" if credentials is not None else None,
-        settings,
-    )
+    given = credentials.credentials if credentials is not None else ""
+    if _auth_enforced(settings) and not _key_matches(given, settings):
+        raise _unauthorized()
 
 
-def check_api_key(authorization: str | None, settings: Settings) -> None:
-    """Raise a 401 ApiError unless ``authorization`` is ``Bearer <QUARRY_API_KEY>``."""
+def _authorized(authorization: str | None, settings: Settings) -> bool:
+    """Whether an ``Authorization`` header passes: ``Bearer <QUARRY_API_KEY>``, or any
+    value when auth is off."""
     if not _auth_enforced(settings):
-        return
+        return True
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not _key_matches(given.strip(), settings):
-        raise ApiError(401, "unauthorized", _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+    return scheme.lower() == "bearer" and _key_matches(given.strip(), settings)
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(401, "unauthorized", _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
 _UNAUTHORIZED = "missing or wrong API key: send `Authorization: Bearer <QUARRY_API_KEY>`"
@@ -1420,8 +1423,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         ],
     ) -> Response:
         """Embed the query with the index's model, search, rerank, threshold, top_k."""
-        if protected:
-            check_api_key(request.headers.get("authorization"), settings)
+        if not _authorized(request.headers.get("authorization"), settings):
+            raise _unauthorized()
         answer, headers = await (await get_query_service(request)).query(body)
         return Response(
             answer.model_dump_json().encode("utf-8"),

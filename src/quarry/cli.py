@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from quarry.config import Settings, describe_invalid, get_settings, http_url
 from quarry.errors import (
     ConfigError,
-    InputTooLong,
     QuarryError,
     QueryTooLong,
     Refused,
@@ -249,17 +248,8 @@ def query(
                 response = searcher.search(
                     text, top_k=k, candidates=candidates, rerank=not no_rerank
                 )
-            except InputTooLong as error:
-                # The question's fault when the embedding model or, alone, the reranker
-                # refuses it; a stored passage too long for the reranker is not.
-                reranker = isinstance(error, QueryTooLong)
-                if not reranker and not error.url.endswith(("/embed", "/embeddings")):
-                    raise
-                _fail(
-                    f"the query is too long for the {'reranker' if reranker else 'model'} "
-                    f"({error}); shorten it{', or pass --no-rerank' if reranker else ''}",
-                    EXIT_USAGE,
-                )
+            except QueryTooLong as error:  # the question's fault, not the service's
+                _fail(str(error), EXIT_USAGE)
 
     def human() -> None:
         print_response(response)

@@ -73,6 +73,13 @@ class ServiceInfo:
     max_concurrent_requests: int | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
+    def inputs_per_request(self, default: int) -> int:
+        """How many inputs one request may carry: ``max_client_batch_size`` (``default``
+        when unknown), and never over ``max_concurrent_requests``: TEI takes a permit per
+        input, so a larger request is refused (429) however long it waits."""
+        limit = self.max_client_batch_size or default
+        return min(limit, self.max_concurrent_requests or limit)
+
     @classmethod
     def from_tei(cls, url: str, info: dict[str, Any]) -> ServiceInfo:
         """Parse TEI's ``/info`` body."""
@@ -243,14 +250,9 @@ class EmbeddingClient:
 
     @property
     def batch_size(self) -> int:
-        """Inputs per request: the service's limit, lowered by ``QUARRY_EMBED_BATCH_SIZE``.
-
-        Never over ``max_concurrent_requests`` either: TEI takes a permit per input, so
-        a larger request is refused (429) however long it waits.
-        """
-        limit = self.info.max_client_batch_size or DEFAULT_BATCH_SIZE
-        if self.info.max_concurrent_requests:
-            limit = min(limit, self.info.max_concurrent_requests)
+        """Inputs per request: what the service takes (:meth:`ServiceInfo.inputs_per_request`),
+        lowered by ``QUARRY_EMBED_BATCH_SIZE``."""
+        limit = self.info.inputs_per_request(DEFAULT_BATCH_SIZE)
         return min(limit, self._batch_size) if self._batch_size else limit
 
     @property

@@ -13,7 +13,7 @@ can be traced to its cause without a debugger::
     │   ├── ServiceUnavailable      retries spent on 429/503/424/connection errors
     │   ├── RequestRejected         the service said the request is wrong (400/413/422)
     │   │   ├── InputTooLong        an input over the model's max_input_length
-    │   │   │   └── QueryTooLong    the query alone leaves a reranker no room
+    │   │   │   └── QueryTooLong    the query itself is too long (model or reranker)
     │   │   └── DialectMismatch     the service speaks another API dialect
     │   └── BadResponse             the service answered something unparseable
     ├── StoreError                  Qdrant (has ``collection``)
@@ -90,7 +90,9 @@ class InputTooLong(RequestRejected):
 
 
 class QueryTooLong(InputTooLong):
-    """A rerank query too long on its own: no passage fits beside it, however split."""
+    """The query itself is too long: for the embedding model, or for a reranker on its
+    own (no passage fits beside it, however split). The question's fault, not a
+    passage's or the service's."""
 
 
 class DialectMismatch(RequestRejected):

@@ -78,9 +78,7 @@ class RerankClient:
     def batch_size(self) -> int:
         """Texts per request (rerank texts count against ``max_client_batch_size``)."""
         info = self.info
-        limit = (info.max_client_batch_size if info else None) or DEFAULT_RERANK_BATCH
-        if info is not None and info.max_concurrent_requests:
-            limit = min(limit, info.max_concurrent_requests)  # TEI: a permit per text
+        limit = info.inputs_per_request(DEFAULT_RERANK_BATCH) if info else DEFAULT_RERANK_BATCH
         return min(limit, self._batch_size) if self._batch_size else limit
 
     def score(self, query: str, texts: Sequence[str]) -> list[float]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from qdrant_client import models
 
 from quarry.embeddings import EmbeddingClient
-from quarry.errors import FingerprintMismatch, ServiceError
+from quarry.errors import FingerprintMismatch, InputTooLong, QueryTooLong, ServiceError
 from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
 from quarry.rerank import RerankClient
 from quarry.store import META_ACCEPTED_SERVING, VectorStore
@@ -308,7 +308,16 @@ class Searcher:
         fingerprint = self.check()
         timings: dict[str, float] = {}
         started = time.perf_counter()
-        vector = self.embedder.embed_query(query, task=fingerprint.query_task or None)
+        try:
+            vector = self.embedder.embed_query(query, task=fingerprint.query_task or None)
+        except QueryTooLong:
+            raise
+        except InputTooLong as error:
+            reason = str(error).removeprefix(f"{error.url}: ")
+            raise QueryTooLong(
+                error.url,
+                f"the query is too long for the model that embeds it ({reason}); shorten it",
+            ) from error
         timings["embed"] = _ms_since(started)
 
         started = time.perf_counter()
