@@ -297,7 +297,7 @@ class IndexSync:
         self._planned_documents.update(state)
         return state
 
-    def unchanged_file(self, plan: SourcePlan, uri: str, path: Path) -> bool:
+    def unchanged_file(self, plan: SourcePlan, uri: str, path: str | Path) -> bool:
         """True when the file at ``uri`` need not be read: its stamp (mtime, size) is the
         one every one of its indexed documents was loaded with, and they are complete."""
         if not self.trust_file_stamps:
@@ -806,7 +806,7 @@ def _pending_documents(
 ) -> Iterator[Document]:
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
 
-    def unchanged(uri: str, path: Path) -> bool:
+    def unchanged(uri: str, path: str) -> bool:
         return sync.unchanged_file(plan, uri, path)
 
     items = iter_documents(

@@ -329,15 +329,23 @@ _NOT_REGULAR = "not a regular file (a FIFO, socket or device); skipped"
 @dataclass(frozen=True, slots=True)
 class _Found:
     rel: str  # posix path relative to the root
-    path: Path  # as found under the root
+    where: str  # the path as found under the root
     problem: str | None = None  # why it must be skipped
-    real: Path | None = None  # what to open: the path, or a symlink's target inside the root
+    # What to open: the path, or a symlink's target inside the root. Strings, not
+    # Paths: a re-sync reads almost none of the files it lists, and building a Path
+    # per file was a fifth of its walk.
+    opens: str | None = None
+
+    @property
+    def path(self) -> Path:
+        """The path as found under the root."""
+        return Path(self.where)
 
 
 def _walk(spec: SourceSpec) -> Iterator[_Found]:
     """Every candidate file, sorted by relative path.
 
-    A file without a ``problem`` has ``real`` set: a regular file inside the root
+    A file without a ``problem`` has ``opens`` set: a regular file inside the root
     (a symlink to one is resolved to it here).
     """
     root = spec.root
@@ -351,26 +359,28 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
         try:
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as exc:
-            found.append(_Found(prefix, folder, f"cannot list directory: {exc.strerror or exc}"))
+            found.append(
+                _Found(prefix, str(folder), f"cannot list directory: {exc.strerror or exc}")
+            )
             continue
         for entry in entries:
             if not _is_utf8(entry.name):
                 _report_undecodable_name(spec, entry, prefix, descend, found)
                 continue
             rel = prefix + entry.name
-            path = Path(entry.path)
+            where = entry.path
             try:
-                is_link = entry.is_symlink()
-                if is_link:
+                if entry.is_symlink():
+                    path = Path(where)
                     try:
                         target = path.resolve()
                     except RuntimeError:  # Python 3.11 raises this for a loop, not OSError
                         if spec.includes(rel):
-                            found.append(_Found(rel, path, "symlink loop; not followed"))
+                            found.append(_Found(rel, where, "symlink loop; not followed"))
                         continue
                     if not target.exists():
                         if spec.includes(rel):
-                            found.append(_Found(rel, path, "broken symlink"))
+                            found.append(_Found(rel, where, "broken symlink"))
                         continue
                     if not _inside(target, root):
                         is_dir = target.is_dir()
@@ -380,7 +390,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                             found.append(
                                 _Found(
                                     rel,
-                                    path,
+                                    where,
                                     "symlink points outside the source root; not followed",
                                 )
                             )
@@ -393,12 +403,13 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         continue
                     if not target.is_file():
                         if spec.includes(rel):
-                            found.append(_Found(rel, path, _NOT_REGULAR))
+                            found.append(_Found(rel, where, _NOT_REGULAR))
                         continue
-                    real = target
+                    opens = str(target)
                 elif entry.is_dir(follow_symlinks=False):
                     if not descend or spec.excludes(rel + "/"):
                         continue
+                    path = Path(where)
                     real = path.resolve()
                     if real in visited:
                         continue
@@ -408,15 +419,15 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                 elif not entry.is_file(follow_symlinks=False):
                     # A FIFO would block the read forever; sockets and devices are not text.
                     if spec.includes(rel):
-                        found.append(_Found(rel, path, _NOT_REGULAR))
+                        found.append(_Found(rel, where, _NOT_REGULAR))
                     continue
                 else:
-                    real = path
+                    opens = where
             except OSError as exc:
-                found.append(_Found(rel, path, f"cannot read: {exc.strerror or exc}"))
+                found.append(_Found(rel, where, f"cannot read: {exc.strerror or exc}"))
                 continue
             if spec.includes(rel):
-                found.append(_Found(rel, path, real=real))
+                found.append(_Found(rel, where, opens=opens))
     found.sort(key=lambda item: item.rel)
     yield from found
 
@@ -455,9 +466,9 @@ def _report_undecodable_name(
         is_dir = False
     if is_dir:
         if descend and not spec.excludes(rel + "/"):
-            found.append(_Found(rel + "/", Path(entry.path), _UNDECODABLE_FOLDER))
+            found.append(_Found(rel + "/", entry.path, _UNDECODABLE_FOLDER))
     elif spec.includes(rel):
-        found.append(_Found(rel, Path(entry.path), _UNDECODABLE_FILE))
+        found.append(_Found(rel, entry.path, _UNDECODABLE_FILE))
 
 
 def discover(spec: SourceSpec) -> Iterator[Path]:
@@ -815,7 +826,7 @@ class UnchangedFile:
 
 
 # Called with a file's uri and the path to open; True means "do not read it".
-UnchangedCheck = Callable[[str, Path], bool]
+UnchangedCheck = Callable[[str, str], bool]
 
 
 def iter_documents(
@@ -835,15 +846,19 @@ def iter_documents(
     """
     for found in listing.found if listing is not None else _walk(spec):
         uri = f"{spec.name}/{found.rel}"
-        if found.problem is not None or found.real is None:
+        if found.problem is not None or found.opens is None:
             yield LoadFailure(uri, found.problem or "cannot read")
             continue
-        if unchanged is not None and unchanged(uri, found.real):
+        if unchanged is not None and unchanged(uri, found.opens):
             yield UnchangedFile(uri)
             continue
         try:
             yield from _load_file(
-                found.real, uri, name=found.path, max_file_bytes=max_file_bytes, no_follow=True
+                Path(found.opens),
+                uri,
+                name=found.path,
+                max_file_bytes=max_file_bytes,
+                no_follow=True,
             )
         except UnreadableDocument as exc:
             yield LoadFailure(exc.uri, _message(exc))
