@@ -15,7 +15,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,15 @@ def _dead_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def _silent_url() -> Iterator[str]:
+    """A loopback URL that takes connections and never answers: a hung service."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 AppFactory = Callable[..., TestClient]
@@ -835,6 +844,40 @@ def test_a_down_embedding_service_is_not_asked_again_by_every_query(
     assert len(budgets) == 2
 
 
+def test_a_hung_embedding_service_is_a_504_when_the_query_time_runs_out(
+    make_app: AppFactory,
+) -> None:
+    with _silent_url() as silent:
+        # Its HTTP timeout (QUARRY_EMBED_TIMEOUT, 60 s) would hold every query a minute.
+        app = make_app(embed_url=silent, query_timeout=0.5)
+        error = assert_error(query(app, {"query": "gamma"}), 504, "dependency_timeout")
+        assert error["dependency"] == "embedding service"
+        assert "QUARRY_QUERY_TIMEOUT" in error["message"] and silent not in error["message"]
+        # As good as down: the next queries are not held too, within the cooldown.
+        again = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+        assert "ago" in again["message"] and "QUARRY_QUERY_TIMEOUT" in again["message"]
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_hung_reranker_fails_the_rerank_when_the_query_time_runs_out(
+    make_app: AppFactory, required: bool
+) -> None:
+    with _silent_url() as silent:
+        app = make_app(rerank_url=silent, rerank_required=required, query_timeout=0.5)
+        response = query(app, {"query": "gamma rays"})
+        if required:
+            error = assert_error(response, 504, "dependency_timeout")
+            assert error["dependency"] == "reranker"
+            assert silent not in error["message"]
+        else:
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["reranked"] is False and body["results"]
+            assert "rerank failed" in response.headers["warning"]
+            assert any("QUARRY_QUERY_TIMEOUT" in warning for warning in body["warnings"])
+        assert query(app, {"query": "gamma", "rerank": False}).status_code == 200
+
+
 def test_a_failure_on_one_input_starts_no_cooldown(make_app: AppFactory) -> None:
     from quarry.errors import ServiceUnavailable
 
@@ -943,7 +986,7 @@ def test_openapi_documents_examples_and_the_error_shape(app: TestClient) -> None
     schema = app.get("/openapi.json").json()
     operation = schema["paths"]["/v1/query"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["examples"]
-    assert set(operation["responses"]) >= {"200", "401", "409", "413", "422", "503"}
+    assert set(operation["responses"]) >= {"200", "401", "409", "413", "422", "503", "504"}
     error_ref = operation["responses"]["422"]["content"]["application/json"]["schema"]["$ref"]
     assert error_ref.endswith("/ErrorBody")
     assert "HTTPValidationError" not in json.dumps(schema)

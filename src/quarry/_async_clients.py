@@ -449,13 +449,16 @@ class AsyncRerankClient:
         fetch = self._info_fetch
         if fetch is None:
             fetch = self._info_fetch = asyncio.ensure_future(self._load_info(retry or self.retry))
-        try:
-            await asyncio.shield(fetch)
-        except BaseException:
-            if self._info_fetch is fetch and fetch.done():
-                self._info_fetch = None  # a later call tries again
-            raise
+            fetch.add_done_callback(self._info_fetched)
+        await asyncio.shield(fetch)
         return self._info
+
+    def _info_fetched(self, fetch: asyncio.Future[None]) -> None:
+        # Runs even when no caller waits any more (their queries ran out of time), so a
+        # failure is read, not logged as never retrieved, and not kept: a later call
+        # tries again.
+        if (fetch.cancelled() or fetch.exception() is not None) and self._info_fetch is fetch:
+            self._info_fetch = None
 
     async def _load_info(self, retry: RetryPolicy) -> None:
         raw = await afetch_info(self._http, self.base_url, retry)
@@ -585,6 +588,8 @@ class _QueryGuard:
         """Raise QueryTooLong when the query does not fit beside a one-character text."""
         if self._checked is None:
             self._checked = asyncio.ensure_future(self._check())
+            # Read its outcome even if the scoring stops waiting (its query ran out of time).
+            self._checked.add_done_callback(lambda done: done.cancelled() or done.exception())
         await asyncio.shield(self._checked)
 
     async def _check(self) -> None:

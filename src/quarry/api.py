@@ -37,8 +37,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -113,6 +113,9 @@ REQUEST_ID_HEADER = "X-Request-ID"
 # An incoming request id is echoed only when it is short and plain (it goes into logs).
 _SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 _current_request_id: ContextVar[str] = ContextVar("quarry_request_id", default="-")
+# When the calls of the query being answered must have answered (the event loop's
+# clock), or None: no limit (readiness probes have their own).
+_answer_by: ContextVar[float | None] = ContextVar("quarry_answer_by", default=None)
 
 MAX_QUERY_CHARS = 65_536
 """A hard cap on the query text, before any token counting (even with ``truncate``)."""
@@ -335,14 +338,35 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+class _NoAnswer(ServiceUnavailable):
+    """A dependency had not answered when the query's time (QUARRY_QUERY_TIMEOUT) ran out."""
+
+
 def _dependency_down(dependency: str, error: BaseException) -> ApiError:
     reason = _reason(error)
     logger.warning(
         "request_id=%s %s failed: %s", _current_request_id.get(), dependency, str(error) or reason
     )
+    if isinstance(error, _NoAnswer):
+        return ApiError(
+            504,
+            "dependency_timeout",
+            f"{dependency} did not answer: {reason}",
+            dependency=dependency,
+        )
     return ApiError(
         503, "dependency_unavailable", f"{dependency} unavailable: {reason}", dependency=dependency
     )
+
+
+@contextmanager
+def _answer_within(seconds: float) -> Iterator[None]:
+    """Give the dependency calls made in the block ``seconds`` in all (``QueryService._call``)."""
+    token = _answer_by.set(asyncio.get_running_loop().time() + seconds)
+    try:
+        yield
+    finally:
+        _answer_by.reset(token)
 
 
 def _reason(error: BaseException) -> str:
@@ -736,7 +760,8 @@ class QueryService:
     async def _recheck_in_background(self) -> None:
         try:
             async with self._lock:
-                await self.verify(_PROBE)
+                with _answer_within(self.settings.query_timeout):  # a hung service: not the lock
+                    await self.verify(_PROBE)
         except ApiError as error:
             # A refusal is cached by verify(); a dependency that is down leaves the last
             # verdict standing (the queries meet the outage themselves) until the next try.
@@ -765,8 +790,8 @@ class QueryService:
         query_input: bool = False,
     ) -> T:
         """``await request(retry=...)`` of the embedding service (see :meth:`_call`); at once
-        a 503 while it is known down. A failure under a query's own retries (no ``retry``)
-        starts EMBED_COOLDOWN_S."""
+        a 503 while it is known down. A failure under a query's own retries (no ``retry``),
+        or no answer in the query's time, starts EMBED_COOLDOWN_S."""
 
         async def guarded() -> T:
             self._embedding_outage.check()
@@ -779,7 +804,12 @@ class QueryService:
             self._embedding_outage.recovered()
             return answer
 
-        return await self._call(_EMBEDDING, guarded(), query_input=query_input)
+        try:
+            return await self._call(_EMBEDDING, guarded(), query_input=query_input)
+        except ApiError as error:
+            if error.status == 504 and retry is None:  # hung: as good as down
+                self._embedding_outage.failed(self._no_answer(self.embedder.base_url))
+            raise
 
     async def _stored(self) -> _Stored:
         physical = await self._call(_QDRANT, self.store.resolve())
@@ -828,14 +858,23 @@ class QueryService:
         """Check the fingerprint at startup; a failure is logged and left to /readyz."""
         budget = min(self.settings.retry_budget, 5.0)
         try:
-            await self.verify(RetryPolicy(budget=budget))
+            with _answer_within(budget + self.settings.query_timeout):  # startup is not held
+                await self.verify(RetryPolicy(budget=budget))
         except ApiError as error:
             logger.warning("quarry api: startup check: %s", error.message)
 
     # -- queries ---------------------------------------------------------------------------
 
     async def query(self, body: QueryRequest) -> tuple[QueryResponse, dict[str, str]]:
-        """Answer one query; also returns the response headers to add (warnings)."""
+        """Answer one query; also returns the response headers to add (warnings).
+
+        Its dependency calls get QUARRY_QUERY_TIMEOUT in all: a reranker still silent
+        then is a failed rerank, any other dependency a 504 naming it.
+        """
+        with _answer_within(self.settings.query_timeout):
+            return await self._answer(body)
+
+    async def _answer(self, body: QueryRequest) -> tuple[QueryResponse, dict[str, str]]:
         started = time.perf_counter()
         query_text, truncated = self._fit_query(body.query, body.truncate)
         timings: dict[str, float] = {}
@@ -878,7 +917,7 @@ class QueryService:
         if body.rerank and hits:
             mark = time.perf_counter()
             try:
-                scores, cut = await self._rerank_fitted(text, rerank_texts(hits), body.truncate)
+                scores, cut = await self._rerank_in_time(text, rerank_texts(hits), body.truncate)
                 truncated = truncated or cut
                 outcome = "reranked"
             except QueryTooLong:
@@ -934,6 +973,22 @@ class QueryService:
             raise
         self._reranker_outage.recovered()
         return scores
+
+    async def _rerank_in_time(
+        self, query: str, texts: list[str], truncate: bool
+    ) -> tuple[list[float], bool]:
+        """:meth:`_rerank_fitted` within what is left of the query's time. A reranker
+        that has not answered by then has failed (and starts RERANK_COOLDOWN_S)."""
+        deadline = asyncio.timeout_at(_answer_by.get())
+        try:
+            async with deadline:
+                return await self._rerank_fitted(query, texts, truncate)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            error = self._no_answer(self.reranker.base_url)
+            self._reranker_outage.failed(error)
+            raise error from None
 
     async def _rerank_fitted(
         self, query: str, texts: list[str], truncate: bool
@@ -1029,13 +1084,16 @@ class QueryService:
     async def _call(
         self, dependency: str, awaitable: Awaitable[T], *, query_input: bool = False
     ) -> T:
-        """Await a dependency; its failures become a 503 naming it.
+        """Await a dependency; its failures become a 503 naming it, and no answer by
+        the query's deadline (QUARRY_QUERY_TIMEOUT) a 504.
 
         With ``query_input``, InputTooLong (the client's query is too long for the
         model) becomes ``_TooLong`` instead: the client's fault, not the service's.
         """
+        deadline = asyncio.timeout_at(_answer_by.get())
         try:
-            return await awaitable
+            async with deadline:
+                return await awaitable
         except InputTooLong as error:
             if not query_input:
                 raise _dependency_down(dependency, error) from None
@@ -1043,9 +1101,17 @@ class QueryService:
         except ApiError:
             raise
         except Exception as error:
+            if deadline.expired():
+                raise _dependency_down(dependency, self._no_answer("")) from None
             if dependency != _QDRANT and not isinstance(error, _DEPENDENCY_ERRORS):
                 raise
             raise _dependency_down(dependency, error) from None
+
+    def _no_answer(self, url: str) -> _NoAnswer:
+        return _NoAnswer(
+            url,
+            f"no answer within the query's {self.settings.query_timeout:g}s (QUARRY_QUERY_TIMEOUT)",
+        )
 
     # -- readiness and listing -------------------------------------------------------------
 
@@ -1097,7 +1163,8 @@ class QueryService:
 
     async def collections(self) -> CollectionList:
         """The alias's physical collections, with the model that built each."""
-        found = await self._call(_QDRANT, self.store.collections())
+        with _answer_within(self.settings.query_timeout):
+            found = await self._call(_QDRANT, self.store.collections())
         entries = []
         for info in found:
             fingerprint = stored_fingerprint(info.metadata)
@@ -1321,6 +1388,17 @@ _ERR_503 = _error_response(
         "dependency": "embedding service",
     },
 )
+_ERR_504 = _error_response(
+    "A dependency (named in `dependency`) had not answered when the query's time "
+    "(QUARRY_QUERY_TIMEOUT) ran out.",
+    {
+        "type": "dependency_timeout",
+        "message": "embedding service did not answer: no answer within the query's 15s "
+        "(QUARRY_QUERY_TIMEOUT)",
+        "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
+        "dependency": "embedding service",
+    },
+)
 
 _RESPONSE_EXAMPLE: dict[str, Any] = {
     "results": [
@@ -1404,6 +1482,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
             413: _ERR_413,
             422: _ERR_422,
             503: _ERR_503,
+            504: _ERR_504,
         },
     )
     async def query(
@@ -1438,7 +1517,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         dependencies=protected,
         tags=["query"],
         summary="The collections behind the alias",
-        responses={**common_errors, 503: _ERR_503},
+        responses={**common_errors, 503: _ERR_503, 504: _ERR_504},
     )
     async def collections(service: QueryServiceDep) -> CollectionList:
         """The alias's physical collections, newest first, with the model of each."""

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     api_max_body_bytes: int = Field(1024 * 1024, ge=1024)
     # How often the API re-reads the live model's fingerprint while answering queries.
     fingerprint_recheck_seconds: float = Field(10.0, gt=0)
+    # The most one query may take, all its calls together: a dependency that hangs
+    # (rather than refusing) is then a 504 naming it, not a client held for minutes.
+    query_timeout: float = Field(15.0, gt=0)
 
     # Parity gates.
     parity_min_cosine: float = 0.999
