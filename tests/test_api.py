@@ -1256,3 +1256,131 @@ def test_served_app_freezes_what_startup_loaded(
         gc.unfreeze()
     with TestClient(create_app(settings)) as app:
         assert gc.get_freeze_count() == 0
+
+
+# -- the query's time (QUARRY_QUERY_TIMEOUT) ---------------------------------------------------
+
+
+def test_a_504_message_is_as_documented(make_app: AppFactory) -> None:
+    with _silent_url() as silent:
+        app = make_app(embed_url=silent, query_timeout=0.5)
+        error = assert_error(query(app, {"query": "gamma"}), 504, "dependency_timeout")
+        # The form the OpenAPI example (_ERR_504) documents.
+        assert error["message"] == (
+            "embedding service did not answer: no answer within the query's 0.5s "
+            "(QUARRY_QUERY_TIMEOUT)"
+        )
+
+
+def test_a_burst_queued_on_a_busy_embedding_service_does_not_mark_it_down(
+    make_app: AppFactory, template: Path
+) -> None:
+    # A healthy service with one permit and 300 ms per request: a burst of 8 queries
+    # queues in the API (InputSlots) and the last ones run out of their query time
+    # while waiting their turn. The service answered everything it was sent.
+    config = LocalTEIConfig(backend="hash", dims=32, max_concurrent_requests=1, latency_ms=300.0)
+    with LocalTEIServer(config) as busy:
+        app = make_app(embed_url=busy.url, query_timeout=1.5, retry_budget=5.0)
+        body = {"query": "gamma rays", "rerank": False}
+        with ThreadPoolExecutor(8) as pool:
+            statuses = sorted(r.status_code for r in pool.map(lambda _: query(app, body), range(8)))
+        assert 200 in statuses and 504 in statuses, statuses  # some answered, some ran out
+        assert busy.stats.responses.get(429, 0) == 0
+        # The burst is over and the service is idle and answering: a query is answered.
+        after = query(app, body)
+        assert after.status_code == 200, after.text
+
+
+class _InfoHangsAfterStartup:
+    """A loopback proxy to a real TEI whose GET /info hangs after its first answer."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+        import urllib.request
+
+        self.release = threading.Event()
+        infos = [0]
+        release = self.release
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(length) if length else None
+                if self.command == "GET" and self.path == "/info":
+                    infos[0] += 1
+                    if infos[0] > 1:
+                        release.wait(30)
+                        return
+                content_type = self.headers.get("Content-Type", "application/json")
+                request = urllib.request.Request(
+                    upstream + self.path,
+                    data=data,
+                    method=self.command,
+                    headers={"Content-Type": content_type},
+                )
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as answer:
+                        status, payload = answer.status, answer.read()
+                except urllib.error.HTTPError as error:
+                    status, payload = error.code, error.read()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_query_waiting_on_the_recheck_is_not_blamed_on_qdrant(
+    other_tei: LocalTEIServer,
+    template: Path,
+    make_app: AppFactory,
+    tmp_path: Path,
+    tei: LocalTEIServer,
+) -> None:
+    from qdrant_client import models
+
+    data = tmp_path / "two"
+    shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
+    corpus = write_corpus(tmp_path / "corpus", CORPUS)
+    moved_to = _build_collection(data, corpus, other_tei.url, collection="other")
+    proxy = _InfoHangsAfterStartup(tei.url)
+    try:
+        app = make_app(
+            data=data, embed_url=proxy.url, query_timeout=1.0, fingerprint_recheck_seconds=0.01
+        )
+        qdrant = app.app_state["query_service"].store.client._client
+        qdrant.update_collection_aliases(
+            change_aliases_operations=[
+                models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name="test")),
+                models.CreateAliasOperation(
+                    create_alias=models.CreateAlias(collection_name=moved_to, alias_name="test")
+                ),
+            ]
+        )
+        time.sleep(0.05)  # the verdict is now due for its recheck
+        # The query starts the recheck (which holds the lock while /info hangs), finds
+        # the other model's points and waits for the lock to judge the collection again.
+        response = query(app, {"query": "gamma rays", "rerank": False})
+        error = assert_error(response, 504, "dependency_timeout")
+        # Qdrant answered every call; the embedding service's /info is what hung.
+        assert error["dependency"] != "qdrant", error
+    finally:
+        proxy.close()

@@ -341,9 +341,13 @@ class ApiError(Exception):
 class _NoAnswer(ServiceUnavailable):
     """A dependency had not answered when the query's time (QUARRY_QUERY_TIMEOUT) ran out."""
 
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(url, message)
+        self.reason = message  # for the client: without the url (which may be "")
+
 
 def _dependency_down(dependency: str, error: BaseException) -> ApiError:
-    reason = _reason(error)
+    reason = error.reason if isinstance(error, _NoAnswer) else _reason(error)
     logger.warning(
         "request_id=%s %s failed: %s", _current_request_id.get(), dependency, str(error) or reason
     )
@@ -662,6 +666,7 @@ class _Outage:
     def __init__(self, cooldown_s: float) -> None:
         self.cooldown_s = cooldown_s
         self._last: tuple[float, ServiceUnavailable] | None = None  # (time.monotonic(), error)
+        self._answered = -math.inf  # time.monotonic() of its last answer
 
     def check(self) -> None:
         """Raise ServiceUnavailable while the last failure is under ``cooldown_s`` old."""
@@ -690,6 +695,14 @@ class _Outage:
     def recovered(self) -> None:
         """The dependency answered."""
         self._last = None
+        self._answered = time.monotonic()
+
+    def timed_out(self, error: ServiceUnavailable, started: float) -> None:
+        """A call begun at ``started`` had no answer in its query's time: down, unless
+        the dependency answered other calls meanwhile (busy: the call waited its turn,
+        or the query's time went elsewhere)."""
+        if self._answered < started:
+            self.failed(error)
 
 
 class QueryService:
@@ -710,6 +723,7 @@ class QueryService:
         self._refused: _Refusal | None = None
         self._judged_at = -math.inf  # time.monotonic() of the last verdict
         self._lock = asyncio.Lock()
+        self._verifying = _QDRANT  # what the verify() under way (holding the lock) awaits
         self._recheck: asyncio.Task[None] | None = None
         self._reranker_outage = _Outage(RERANK_COOLDOWN_S)
         self._embedding_outage = _Outage(EMBED_COOLDOWN_S)
@@ -737,7 +751,7 @@ class QueryService:
             if self._stale() and self._recheck is None:
                 self._recheck = asyncio.create_task(self._recheck_in_background())
             return verified
-        async with self._lock:
+        async with self._locked():
             if self._verified is None and self._refused is None:
                 await self.verify()
             elif self._refused is not None and self._stale():
@@ -753,6 +767,20 @@ class QueryService:
                 raise _refusal(self._refused.kind(self._refused.message))
             assert self._verified is not None
             return self._verified
+
+    @asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        """``self._lock``, waited for within the query's time: its holder is a verify()
+        (perhaps the background recheck, on a deadline of its own) waiting on a dependency."""
+        try:
+            async with asyncio.timeout_at(_answer_by.get()):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise _dependency_down(self._verifying, self._no_answer("")) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _stale(self) -> bool:
         return time.monotonic() - self._judged_at > self.settings.fingerprint_recheck_seconds
@@ -778,7 +806,9 @@ class QueryService:
 
         ``retry`` defaults to a query's (QUERY_EMBED_RETRY_S).
         """
+        self._verifying = _QDRANT
         stored = await self._stored()
+        self._verifying = _EMBEDDING
         live = await self._from_embedder(self.embedder.read_fingerprint, retry=retry)
         return self._judge(stored, live)
 
@@ -804,11 +834,12 @@ class QueryService:
             self._embedding_outage.recovered()
             return answer
 
+        started = time.monotonic()
         try:
             return await self._call(_EMBEDDING, guarded(), query_input=query_input)
         except ApiError as error:
             if error.status == 504 and retry is None:  # hung: as good as down
-                self._embedding_outage.failed(self._no_answer(self.embedder.base_url))
+                self._embedding_outage.timed_out(self._no_answer(self.embedder.base_url), started)
             raise
 
     async def _stored(self) -> _Stored:
@@ -905,7 +936,7 @@ class QueryService:
                         "a reindex: try again"
                     )
                 )
-            async with self._lock:
+            async with self._locked():
                 if self._verified is fingerprint:
                     await self.verify()
         truncated = truncated or cut
@@ -980,6 +1011,7 @@ class QueryService:
         """:meth:`_rerank_fitted` within what is left of the query's time. A reranker
         that has not answered by then has failed (and starts RERANK_COOLDOWN_S)."""
         deadline = asyncio.timeout_at(_answer_by.get())
+        started = time.monotonic()
         try:
             async with deadline:
                 return await self._rerank_fitted(query, texts, truncate)
@@ -987,7 +1019,7 @@ class QueryService:
             if not deadline.expired():
                 raise
             error = self._no_answer(self.reranker.base_url)
-            self._reranker_outage.failed(error)
+            self._reranker_outage.timed_out(error, started)
             raise error from None
 
     async def _rerank_fitted(
