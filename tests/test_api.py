@@ -638,11 +638,24 @@ def test_a_model_swapped_behind_the_url_is_refused_within_the_recheck(
             assert _poll(app, body, 200).status_code == 200
 
 
+def _move_alias(app: TestClient, collection: str) -> None:
+    """What `quarry reindex` does at its end, done through the app's own local-mode client."""
+    from qdrant_client import models
+
+    qdrant = app.app_state["query_service"].store.client._client
+    qdrant.update_collection_aliases(
+        change_aliases_operations=[
+            models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name="test")),
+            models.CreateAliasOperation(
+                create_alias=models.CreateAlias(collection_name=collection, alias_name="test")
+            ),
+        ]
+    )
+
+
 def test_an_alias_moved_to_another_models_collection_is_refused_at_once(
     other_tei: LocalTEIServer, template: Path, make_app: AppFactory, tmp_path: Path
 ) -> None:
-    from qdrant_client import models
-
     data = tmp_path / "two"
     shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
     corpus = write_corpus(tmp_path / "corpus", CORPUS)
@@ -650,16 +663,7 @@ def test_an_alias_moved_to_another_models_collection_is_refused_at_once(
     app = make_app(data=data)
     body = {"query": "gamma rays", "rerank": False}
     assert query(app, body).status_code == 200
-    # What `quarry reindex` does at its end, done through the app's own local-mode client.
-    qdrant = app.app_state["query_service"].store.client._client
-    qdrant.update_collection_aliases(
-        change_aliases_operations=[
-            models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name="test")),
-            models.CreateAliasOperation(
-                create_alias=models.CreateAlias(collection_name=moved_to, alias_name="test")
-            ),
-        ]
-    )
+    _move_alias(app, moved_to)
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: query(app, body), range(8)))
     # Every query after the move is refused; none answers with the other model's points.
@@ -1355,8 +1359,6 @@ def test_a_query_waiting_on_the_recheck_is_not_blamed_on_qdrant(
     tmp_path: Path,
     tei: LocalTEIServer,
 ) -> None:
-    from qdrant_client import models
-
     data = tmp_path / "two"
     shutil.copytree(template, data, ignore=shutil.ignore_patterns(".lock"))
     corpus = write_corpus(tmp_path / "corpus", CORPUS)
@@ -1366,15 +1368,7 @@ def test_a_query_waiting_on_the_recheck_is_not_blamed_on_qdrant(
         app = make_app(
             data=data, embed_url=proxy.url, query_timeout=1.0, fingerprint_recheck_seconds=0.01
         )
-        qdrant = app.app_state["query_service"].store.client._client
-        qdrant.update_collection_aliases(
-            change_aliases_operations=[
-                models.DeleteAliasOperation(delete_alias=models.DeleteAlias(alias_name="test")),
-                models.CreateAliasOperation(
-                    create_alias=models.CreateAlias(collection_name=moved_to, alias_name="test")
-                ),
-            ]
-        )
+        _move_alias(app, moved_to)
         time.sleep(0.05)  # the verdict is now due for its recheck
         # The query starts the recheck (which holds the lock while /info hangs), finds
         # the other model's points and waits for the lock to judge the collection again.
