@@ -51,7 +51,8 @@ def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Ite
     server and exits. A run that cleans up after itself (a reindex drops its
     unfinished collection) gets KeyboardInterrupt instead, and ``clean_up_s`` to
     finish before the process exits all the same; a second Ctrl-C exits at once.
-    With a Prefect server (``PREFECT_API_URL``) nothing changes.
+    SIGTERM is handled the same way. With a Prefect server (``PREFECT_API_URL``)
+    nothing changes.
     """
     from prefect.settings import temporary_settings
 
@@ -70,36 +71,40 @@ def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Ite
 
 @contextmanager
 def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
+    """Ctrl-C (SIGINT) and SIGTERM (``kill``, systemd, cron's timeouts) both stop the run
+    so: Python's default for SIGTERM ends the process at once and left Prefect's
+    temporary server running, orphaned. Exit status 128 + the signal's number."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
     said = f"interrupted{': ' + note if note else ''}"
     cleaning = threading.Event()
 
-    def exit_now() -> None:
+    def exit_now(code: int) -> None:
         sys.stderr.write(f"\n{said}\n")
         sys.stderr.flush()
         _stop_embedded_prefect_server()
-        os._exit(130)
+        os._exit(code)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         if not clean_up_s or cleaning.is_set():
-            exit_now()
+            exit_now(128 + signum)
         cleaning.set()
         sys.stderr.write(f"\n{said} (cleaning up; Ctrl-C again to stop at once)\n")
         sys.stderr.flush()
         # Prefect then reports the crash to its server, which the terminal's Ctrl-C
         # stopped too: that would take minutes of retries.
-        watchdog = threading.Timer(clean_up_s, exit_now)
+        watchdog = threading.Timer(clean_up_s, exit_now, args=(128 + signum,))
         watchdog.daemon = True
         watchdog.start()
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, stop)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stop_embedded_prefect_server() -> None:

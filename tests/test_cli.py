@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -337,12 +338,18 @@ MANY_FILES = {
 SLOW_TEI = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0, max_concurrent_requests=4)
 
 
-def ctrl_c_when(args: list[str], env: dict[str, str], marker: str, log: Path) -> str:
+def ctrl_c_when(
+    args: list[str],
+    env: dict[str, str],
+    marker: str,
+    log: Path,
+    *,
+    sig: int = signal.SIGINT,
+    whole_group: bool = True,
+) -> str:
     """Run quarry in embedded Prefect mode as a terminal does, send the whole process
-    group SIGINT once ``marker`` shows on stderr, and return stderr; asserts exit 130
-    and that no process of the group is left."""
-    import signal
-
+    group (or quarry alone) ``sig`` once ``marker`` shows on stderr, and return stderr;
+    asserts exit 128 + ``sig`` and that no process of the group is left."""
     embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
     with log.open("w") as stderr:
         # A session of its own: the terminal's Ctrl-C reaches the whole process
@@ -360,8 +367,11 @@ def ctrl_c_when(args: list[str], env: dict[str, str], marker: str, log: Path) ->
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, f"{marker!r} never showed"
             time.sleep(0.2)
-        os.killpg(process.pid, signal.SIGINT)
-        assert process.wait(timeout=60) == 130, log.read_text()
+        if whole_group:
+            os.killpg(process.pid, sig)
+        else:
+            os.kill(process.pid, sig)
+        assert process.wait(timeout=60) == 128 + sig, log.read_text()
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -402,6 +412,24 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
         for d in (data, str(tmp_path / "clean"))
     )
     assert (resumed["documents"], resumed["points"]) == (whole["documents"], whole["points"])
+
+
+def test_sigterm_to_an_embedded_ingest_stops_prefects_server_too(
+    tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    corpus = write_corpus(tmp_path / "kb", MANY_FILES)
+    with LocalTEIServer(SLOW_TEI) as slow:
+        env = {"QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": slow.url}
+        # As `kill PID`, systemd or a scheduler stops a job: quarry alone gets the signal.
+        said = ctrl_c_when(
+            ["ingest", str(corpus)],
+            env,
+            "Finished in state Completed",
+            tmp_path / "err",
+            sig=signal.SIGTERM,
+            whole_group=False,
+        )
+    assert "interrupted: a rerun picks up where this one stopped" in said
 
 
 def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(

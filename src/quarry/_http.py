@@ -97,11 +97,20 @@ class RetryPolicy:
     initial: float = 0.1
     maximum: float = 5.0
     jitter: float = 0.5
+    # False: a timed-out attempt is raised at once, for a caller that paces its
+    # requests (quarry._pacing) to send again at a lower depth.
+    retry_timeouts: bool = True
 
     def retrying(self) -> tenacity.Retrying:
         """A tenacity controller for one logical request."""
+
+        def retried(error: BaseException) -> bool:
+            if not isinstance(error, TransientFailure):
+                return False
+            return self.retry_timeouts or not error.timed_out
+
         return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_is_transient),
+            retry=tenacity.retry_if_exception(retried),
             # Before, not after: no wait (a long Retry-After) and no attempt that would
             # start past the budget, so a caller waits at most about the budget.
             stop=tenacity.stop_before_delay(self.budget),
@@ -133,14 +142,17 @@ class TransientFailure(ServiceUnavailable):
     """Retried; re-raised as ServiceUnavailable once the budget is spent."""
 
     def __init__(
-        self, url: str, message: str, *, status: int | None, retry_after: float | None
+        self,
+        url: str,
+        message: str,
+        *,
+        status: int | None,
+        retry_after: float | None,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(url, message, status=status)
         self.retry_after = retry_after
-
-
-def _is_transient(error: BaseException) -> bool:
-    return isinstance(error, TransientFailure)
+        self.timed_out = timed_out  # no answer within the client's timeout
 
 
 class _RetryAfterOrBackoff(tenacity.wait.wait_base):
@@ -232,6 +244,8 @@ def call_with_retries(
     try:
         return policy.retrying()(attempt)
     except TransientFailure as error:
+        if error.timed_out and not policy.retry_timeouts:
+            raise  # the caller sends it again, or says why not
         raise ServiceUnavailable(
             url,
             f"still failing after retrying for {policy.budget:g}s: {error.args[0]}",
@@ -253,7 +267,9 @@ def send(
     try:
         response = client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
-        raise TransientFailure(url, f"timed out: {error}", status=None, retry_after=None) from error
+        raise TransientFailure(
+            url, f"timed out: {error}", status=None, retry_after=None, timed_out=True
+        ) from error
     except httpx2.TransportError as error:
         raise TransientFailure(
             url, f"cannot connect: {error}", status=None, retry_after=None

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import itertools
+import logging
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +42,18 @@ from quarry._http import (
     raise_for_status,
     request_json,
 )
+from quarry._pacing import Pacer
 from quarry.config import DEFAULT_QUERY_TASK
-from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceError
+from quarry.errors import (
+    BadResponse,
+    InputTooLong,
+    RequestRejected,
+    ServiceError,
+    ServiceUnavailable,
+)
 from quarry.prompts import ProfileName, PromptProfile, profile_for_model
+
+logger = logging.getLogger(__name__)
 
 # TEI rejects bodies over 2 MB by default; stay well clear of it.
 MAX_BODY_BYTES = 1_500_000
@@ -178,6 +190,10 @@ class EmbeddingClient:
         self.base_url = base_url.rstrip("/")
         self._model = model
         self._retry = retry
+        # Embedding requests' timeouts are not retried as they come: _post_batch sends
+        # them again at a lower depth.
+        self._paced_retry = dataclasses.replace(retry, retry_timeouts=False)
+        self._timeout = timeout
         self._batch_size = batch_size
         self._concurrency = concurrency
         self._profile_override = prompt_profile
@@ -204,6 +220,7 @@ class EmbeddingClient:
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
         self._pool: ThreadPoolExecutor | None = None
+        self._pace: Pacer | None = None
         self._pool_lock = threading.Lock()
 
     # -- what the service is -------------------------------------------------------------
@@ -505,14 +522,51 @@ class EmbeddingClient:
             parts.extend(result)
         return parts
 
+    def _pacer(self) -> Pacer:
+        with self._pool_lock:
+            if self._pace is None:
+                self._pace = Pacer(self.concurrency, self._timeout)
+            return self._pace
+
     def _post_batch(
         self, texts: list[str], documents: Sequence[str], *, unit: bool = True
     ) -> list[list[float]]:
-        with self._count_lock:
-            self.requests_sent += 1
-        if self.dialect == "tei":
-            return self._post_tei(texts, documents, unit)
-        return self._post_openai(texts, documents, unit)
+        """One embedding request, paced (see quarry._pacing): a request that timed out
+        behind others is sent again with fewer in flight."""
+        pacer = self._pacer()
+        while True:
+            with pacer.slot() as depth:
+                with self._count_lock:
+                    self.requests_sent += 1
+                started = time.monotonic()
+                try:
+                    if self.dialect == "tei":
+                        vectors = self._post_tei(texts, documents, unit)
+                    else:
+                        vectors = self._post_openai(texts, documents, unit)
+                except TransientFailure as error:
+                    if not error.timed_out:
+                        raise
+                    if not pacer.timed_out(depth):
+                        raise ServiceUnavailable(
+                            error.url,
+                            f"no answer within {self._timeout:g}s (QUARRY_EMBED_TIMEOUT) "
+                            "to a request sent with no other in flight: the service cannot "
+                            "embed one batch in that time; raise QUARRY_EMBED_TIMEOUT or "
+                            "lower QUARRY_EMBED_BATCH_SIZE",
+                            documents=documents,
+                        ) from error
+                    logger.warning(
+                        "%s: no answer within %gs with %d requests in flight: the service "
+                        "is slower than that allows; sending it again with at most %d",
+                        error.url,
+                        self._timeout,
+                        depth,
+                        pacer.limit,
+                    )
+                    continue
+            pacer.answered(time.monotonic() - started)
+            return vectors
 
     def _post_tei(
         self, texts: list[str], documents: Sequence[str], unit: bool
@@ -520,7 +574,7 @@ class EmbeddingClient:
         url = f"{self.base_url}/embed"
         body = request_json(
             self._http,
-            self._retry,
+            self._paced_retry,
             "POST",
             url,
             json_body={"inputs": texts, "truncate": False, "normalize": True},
@@ -548,7 +602,7 @@ class EmbeddingClient:
                 )
             except openai.APITimeoutError as error:
                 raise TransientFailure(
-                    url, f"timed out: {error}", status=None, retry_after=None
+                    url, f"timed out: {error}", status=None, retry_after=None, timed_out=True
                 ) from error
             except openai.APIConnectionError as error:
                 raise TransientFailure(
@@ -565,7 +619,7 @@ class EmbeddingClient:
                 raise
             return _decode_openai(url, response.json(), len(texts), documents, unit=unit)
 
-        return call_with_retries(self._retry, url, attempt, documents=documents)
+        return call_with_retries(self._paced_retry, url, attempt, documents=documents)
 
     def close(self) -> None:
         """Release connections (and the threads of the shared pool)."""
