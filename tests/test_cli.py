@@ -174,7 +174,7 @@ def test_ingest_query_status_round_trip(
     assert shown.returncode == 0, shown.stderr
     status = json.loads(shown.stdout)
     assert status["alias"] == "quarry"
-    assert status["documents"] == 2
+    assert status["documents"] == 2 and status["documents_incomplete"] == 0
     assert status["fingerprint"]["model"]["dimensions"] == 16
 
 
@@ -260,6 +260,14 @@ def test_parity_gives_key_protected_candidates_the_services_key(
     assert report["rerank"]["top1_agreement"] == 1.0
 
 
+def test_a_refusal_with_json_is_a_json_error_on_stdout(tmp_path: Path) -> None:
+    result = run(["ingest", str(tmp_path / "nowhere" / "a.md"), "--json"], {}, timeout=120)
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert (error["type"], error["exit_code"]) == ("usage", 2)
+    assert "nowhere" in error["message"] and error["message"] in result.stderr
+
+
 def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:
@@ -272,9 +280,12 @@ def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
     for args in (["status", "--json"], ["ingest", str(corpus), "--json"]):
         result = run(args, env, timeout=120)
         assert result.returncode == 1, (args, result.stderr)
-        assert result.stdout == ""
-        assert "Qdrant at http://127.0.0.1:9 (QUARRY_QDRANT_URL) does not answer" in result.stderr
+        said = "Qdrant at http://127.0.0.1:9 (QUARRY_QDRANT_URL) does not answer"
+        assert said in result.stderr
         assert "Traceback" not in result.stderr
+        # With --json a script reading stdout learns why too.
+        error = json.loads(result.stdout)["error"]
+        assert (error["type"], error["exit_code"]) == ("failed", 1) and said in error["message"]
 
 
 def test_a_data_dir_that_cannot_be_a_folder_is_a_usage_error_naming_it(

@@ -168,6 +168,30 @@ def test_syncing_one_file_of_an_indexed_folder_leaves_its_other_files(harness: H
     assert report.documents_deleted == 1
 
 
+def test_one_file_of_a_subfolder_is_synced_where_its_folder_indexed_it(
+    harness: Harness,
+) -> None:
+    harness.run()
+    gamma = harness.root / "notes" / "gamma.txt"
+    gamma.write_text("Gamma rays, rewritten. " * 30)
+    # `quarry ingest corpus/notes/gamma.txt`: its own folder is `notes`, but `corpus`
+    # indexed it as corpus/notes/gamma.txt; as `notes/gamma.txt` it would be there twice.
+    report = harness.run(source=gamma)
+    assert (report.documents_seen, report.documents_embedded) == (1, 1)
+    payloads = [p["payload"] for p in harness.points().values()]
+    assert {p["uri"] for p in payloads} == {f"corpus/{name}" for name in CORPUS}  # type: ignore[index]
+    assert any("rewritten" in p["text"] for p in payloads)  # type: ignore[index]
+    assert not any("energetic" in p["text"] for p in payloads)  # type: ignore[index]
+    # Deleted and named, it is removed from where it was indexed.
+    gamma.unlink()
+    assert harness.run(source=gamma).documents_deleted == 1
+    assert "corpus/notes/gamma.txt" not in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    # A file no folder indexed is still a source of its own folder.
+    (harness.root / "notes" / "epsilon.md").write_text("Epsilon is small.")
+    harness.run(source=harness.root / "notes" / "epsilon.md")
+    assert "notes/epsilon.md" in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+
+
 def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:
     harness.run()
     for name in ("alpha.md", "beta.md", "notes/gamma.txt"):
@@ -239,7 +263,7 @@ def test_a_deleted_file_synced_alone_loses_its_documents(harness: Harness) -> No
     uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
     assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
     # Gone and never indexed (a typo, or synced already): refused, naming it.
-    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file or folder, and no doc"):
+    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file or folder, and nothing was indexed"):
         harness.run(source=harness.root / "alpha.md")
 
 
@@ -257,7 +281,9 @@ def test_an_indexed_folder_that_is_gone_is_refused_naming_its_source(harness: Ha
 
 
 def test_a_typo_for_a_file_is_refused_before_anything_is_created(harness: Harness) -> None:
-    with pytest.raises(SourceNotFound, match=r"no document of 'corpus/alpah\.md' is indexed"):
+    with pytest.raises(
+        SourceNotFound, match=r"nothing was indexed from it \(as 'corpus/alpah\.md'\)"
+    ):
         harness.run(source=harness.root / "alpah.md")
     store = VectorStore(open_client(harness.settings), "test")
     try:

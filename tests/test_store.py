@@ -12,7 +12,7 @@ from qdrant_client import models
 from quarry.config import Settings
 from quarry.errors import WriteFailed
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
-from quarry.store import VectorStore, open_client
+from quarry.store import DocState, VectorStore, open_client
 
 
 def _fingerprint() -> Fingerprint:
@@ -174,3 +174,20 @@ def test_a_data_dir_that_cannot_hold_qdrant_is_a_config_error_for_both_clients(
     for opener in (open_client, open_async_qdrant):
         with pytest.raises(ConfigError, match=f"QUARRY_DATA_DIR={not_a_folder}: cannot create"):
             opener(settings)
+
+
+@pytest.mark.parametrize(
+    ("hashes", "counts", "indexes", "complete"),
+    [
+        ({"h"}, {3}, {0, 1, 2}, True),
+        ({"h"}, {3}, {0, 1}, False),  # a write interrupted after two of three chunks
+        ({"h", "g"}, {3}, {0, 1, 2}, False),  # two versions of the text mixed
+        ({"h"}, {3, 2}, {0, 1, 2}, False),
+    ],
+)
+def test_a_document_is_complete_only_as_one_whole_write(
+    hashes: set[str], counts: set[int], indexes: set[int], complete: bool
+) -> None:
+    state = DocState("d", "kb/a.md", hashes, counts, indexes, points=len(indexes))
+    assert state.is_complete() is complete
+    assert state.is_current("h") is (complete and hashes == {"h"})

@@ -1,7 +1,8 @@
 """The ``quarry`` command line.
 
-Every command takes ``--json`` for a machine-readable result on stdout; logs and
-progress go to stderr. Exit codes: 0 ok, 1 failed, 2 usage, 3 refused.
+Every command takes ``--json`` for a machine-readable result on stdout (a failure
+too: ``{"error": {"type", "message", "exit_code"}}``); logs and progress go to
+stderr. Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -44,8 +45,17 @@ CollectionOption = Annotated[
 ]
 
 
+# Set by main() when the command line asks for --json: a failure is then a JSON object
+# on stdout too, so a script that parses stdout learns why the run failed.
+_json_errors = False
+_ERROR_KINDS = {EXIT_FAILED: "failed", EXIT_USAGE: "usage", EXIT_REFUSED: "refused"}
+
+
 def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"quarry: error: {message}", err=True)
+    if _json_errors:
+        error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
+        typer.echo(json.dumps({"error": error}))
     raise typer.Exit(code)
 
 
@@ -89,7 +99,7 @@ def _ingest_progress() -> Iterator[None]:
     totals = {"documents": 0, "chunks": 0, "failed": 0}
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("embedding...", total=None)
+        task = progress.add_task("starting (Prefect, then the first batch)...", total=None)
 
         def on_batch(result: Any) -> None:
             totals["documents"] += result.documents_embedded
@@ -340,11 +350,16 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
                     EXIT_FAILED,
                 )
             fingerprint = store.fingerprint()
+            documents = store.index_state()
             data = {
                 "collection": physical,
                 "alias": settings.collection,
                 "points": store.count(),
-                "documents": len(store.index_state()),
+                "documents": len(documents),
+                # Half-written by an interrupted run: the next ingest completes them.
+                "documents_incomplete": sum(
+                    1 for doc in documents.values() if not doc.is_complete()
+                ),
                 "fingerprint": fingerprint.to_metadata() if fingerprint else None,
             }
         finally:
@@ -356,6 +371,11 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
         typer.echo(f"alias        {data['alias']} -> {data['collection']}")
         typer.echo(f"points       {data['points']}")
         typer.echo(f"documents    {data['documents']}")
+        if data["documents_incomplete"]:
+            typer.echo(
+                f"incomplete   {data['documents_incomplete']} (a write was interrupted; "
+                "the next ingest completes them)"
+            )
         if fingerprint:
             typer.echo(f"model        {fingerprint.model.describe()}")
             typer.echo(f"serving      {fingerprint.serving.describe()}")
@@ -654,6 +674,10 @@ def local_tei(ctx: typer.Context) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    global _json_errors
+    arguments = sys.argv[1:]
+    options = arguments[: arguments.index("--")] if "--" in arguments else arguments
+    _json_errors = "--json" in options
     try:
         app()
     except KeyboardInterrupt:

@@ -48,6 +48,7 @@ from quarry.sources import (
     SourceSpec,
     UnchangedFile,
     file_mtime,
+    file_source,
     iter_documents,
     list_source,
 )
@@ -643,6 +644,33 @@ def path_prefixes(uri: str) -> list[str]:
 _PAGE_SUFFIX = re.compile(r"#page=\d+\Z")
 
 
+def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
+    """A one-file source as the folder source that indexed the file, when one did.
+
+    A file synced alone is a source named after its own folder: ``quarry ingest
+    docs/sub/a.md`` writes ``sub/a.md``. Had ``docs/`` been ingested whole, the file
+    is indexed as ``docs/sub/a.md`` already, and that sync would index it twice.
+    So when the file is indexed under an enclosing folder's name, and not under its
+    own folder's, it is synced as that folder's file.
+    """
+    if spec.file is None or "/" in spec.file or not store.exists():
+        return spec
+
+    def indexed(name: str, uri: str) -> bool:
+        return any(_file_uri(doc.uri) == uri for doc in store.index_state(name).values())
+
+    if indexed(spec.name, spec.uri_prefix + spec.file):
+        return spec
+    path = spec.root / spec.file
+    for folder in spec.root.parents:
+        if not folder.name:
+            break
+        relative = path.relative_to(folder).as_posix()
+        if indexed(folder.name, f"{folder.name}/{relative}"):
+            return file_source(folder, relative)
+    return spec
+
+
 def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]) -> None:
     """Raise SourceNotFound for a one-file source whose file is gone and was never indexed.
 
@@ -660,7 +688,7 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
     if not missing:
         return
     indexed: dict[str, set[str]] = {}
-    for spec in missing:
+    for spec in (as_indexed(store, spec) for spec in missing):
         if spec.name not in indexed:
             state = store.index_state(spec.name) if store.exists() else {}
             indexed[spec.name] = {_file_uri(doc.uri) for doc in state.values()}
@@ -680,8 +708,7 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
             )
         raise SourceNotFound(
             path,
-            f"no such file or folder, and no document of {uri!r} is indexed (a file "
-            "synced alone is named after its own folder)",
+            f"no such file or folder, and nothing was indexed from it (as {uri!r}); check the path",
         )
 
 
@@ -758,6 +785,7 @@ def run_sync(
     files that could not be loaded (a part of the report's ``failures``) are also
     appended to ``load_failures`` when given.
     """
+    specs = [as_indexed(sync.store, spec) for spec in specs]
     refuse_unknown_missing_files(sync.store, specs)
     report = IngestReport(collection=sync.store.alias)
     sync.prepare(report)

@@ -273,7 +273,13 @@ def open_source(
         )
     if folder:
         return SourceSpec(given, tuple(include), tuple(exclude))
-    return SourceSpec(resolved.parent, (_escape_glob(resolved.name),), (), file=resolved.name)
+    return file_source(resolved.parent, resolved.name)
+
+
+def file_source(root: Path, relative: str) -> SourceSpec:
+    """The one-file source of the file ``relative`` (a posix path) under the folder ``root``,
+    named after ``root``: a sync of it concerns that file's documents only."""
+    return SourceSpec(root, (_escape_glob(relative),), (), file=relative)
 
 
 def refuse_same_named_sources(specs: Sequence[SourceSpec]) -> None:

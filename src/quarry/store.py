@@ -87,7 +87,12 @@ class DocState:
 
     def is_current(self, doc_hash: str) -> bool:
         """True when every point carries ``doc_hash`` and exactly chunks 0..n-1 exist."""
-        if self.hashes != {doc_hash} or len(self.chunk_counts) != 1:
+        return self.hashes == {doc_hash} and self.is_complete()
+
+    def is_complete(self) -> bool:
+        """True when the points are one whole write: one text, exactly chunks 0..n-1
+        (not a write that was interrupted, nor a mix of two versions)."""
+        if len(self.hashes) != 1 or len(self.chunk_counts) != 1:
             return False
         (count,) = self.chunk_counts
         return self.points == count and self.indexes == set(range(count))
