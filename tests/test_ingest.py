@@ -263,7 +263,9 @@ def test_a_deleted_file_synced_alone_loses_its_documents(harness: Harness) -> No
     uris = {str(point["payload"]["uri"]) for point in harness.points().values()}  # type: ignore[index]
     assert "corpus/alpha.md" not in uris and "corpus/beta.md" in uris
     # Gone and never indexed (a typo, or synced already): refused, naming it.
-    with pytest.raises(SourceNotFound, match=r"alpha\.md: no such file or folder, and nothing was indexed"):
+    with pytest.raises(
+        SourceNotFound, match=r"alpha\.md: no such file or folder, and nothing was indexed"
+    ):
         harness.run(source=harness.root / "alpha.md")
 
 

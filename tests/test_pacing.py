@@ -16,19 +16,19 @@ from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 def test_a_pacer_starts_low_and_grows_to_the_ceiling_while_answers_are_fast() -> None:
     pacer = Pacer(ceiling=16, timeout=60.0)
     assert pacer.limit == START_IN_FLIGHT < 16
-    for _ in range(20):
-        pacer.answered(0.5)  # well within a quarter of the timeout
+    pacer.answered(10.0, depth=1)  # within a quarter of the timeout: one more
+    assert pacer.limit == START_IN_FLIGHT + 1
+    pacer.answered(0.5, depth=2)  # 0.25 s a request: 16 are answered within 15 s
     assert pacer.limit == 16
     assert Pacer(ceiling=2, timeout=60.0).limit == 2
 
 
 def test_slow_answers_and_timeouts_admit_fewer() -> None:
     pacer = Pacer(ceiling=16, timeout=60.0)
-    for _ in range(20):
-        pacer.answered(0.5)
-    pacer.answered(40.0)  # over half the timeout
+    pacer.answered(0.5, depth=4)
+    pacer.answered(40.0, depth=16)  # over half the timeout
     assert pacer.limit == 15
-    pacer.answered(20.0)  # neither fast nor slow: as it was
+    pacer.answered(20.0, depth=8)  # neither fast nor slow: as it was
     assert pacer.limit == 15
     assert pacer.timed_out(depth=12) is True
     assert pacer.limit == 6

@@ -565,7 +565,7 @@ class EmbeddingClient:
                         pacer.limit,
                     )
                     continue
-            pacer.answered(time.monotonic() - started)
+            pacer.answered(time.monotonic() - started, depth)
             return vectors
 
     def _post_tei(
