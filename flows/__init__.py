@@ -86,11 +86,15 @@ def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
         _stop_embedded_prefect_server()
         os._exit(code)
 
+    received: list[int] = []
+
     def stop(signum: int, frame: FrameType | None) -> None:
         if not clean_up_s or cleaning.is_set():
             exit_now(128 + signum)
         cleaning.set()
-        sys.stderr.write(f"\n{said} (cleaning up; Ctrl-C again to stop at once)\n")
+        received.append(signum)
+        again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
+        sys.stderr.write(f"\n{said} (cleaning up; {again} again to stop at once)\n")
         sys.stderr.flush()
         # Prefect then reports the crash to its server, which the terminal's Ctrl-C
         # stopped too: that would take minutes of retries.
@@ -102,6 +106,12 @@ def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+    except KeyboardInterrupt:
+        # Cleaned up: the exit status still says which signal stopped the run (the
+        # command line turns a KeyboardInterrupt into 130, SIGINT's).
+        if received and received[0] != signal.SIGINT:
+            raise SystemExit(128 + received[0]) from None
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -457,3 +457,39 @@ def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
     assert "interrupted" in said
     # The half-built collection was dropped; the alias still points where it did.
     assert json.loads(run(["collections", "--json"], served).stdout) == before
+
+
+CLEANING_COMMAND = """
+import os, signal, sys, time
+from quarry import cli
+from flows import embedded_flow_runs
+
+@cli.app.command("clean-up-demo")
+def clean_up_demo() -> None:
+    # As `quarry reindex` runs its flow: a run that cleans up after itself.
+    with embedded_flow_runs("stopped", clean_up_s=10.0):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        finally:
+            sys.stderr.write("cleaned up\\n")
+
+sys.argv = ["quarry", "clean-up-demo"]
+cli.main()
+"""
+
+
+def test_sigterm_to_a_run_that_cleans_up_exits_143(tmp_path: Path) -> None:
+    # As a reindex dropping its unfinished collection: the exit status still says SIGTERM.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    result = subprocess.run(
+        [sys.executable, "-c", CLEANING_COMMAND],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert "cleaned up" in result.stderr, result.stderr
+    assert result.returncode == 143, result.stderr

@@ -17,6 +17,7 @@ from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import (
     CanaryMismatch,
+    ConfigError,
     FingerprintMismatch,
     MassDeleteRefused,
     ServingChanged,
@@ -190,6 +191,72 @@ def test_one_file_of_a_subfolder_is_synced_where_its_folder_indexed_it(
     (harness.root / "notes" / "epsilon.md").write_text("Epsilon is small.")
     harness.run(source=harness.root / "notes" / "epsilon.md")
     assert "notes/epsilon.md" in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+
+
+def test_one_file_synced_under_its_indexing_folder_reports_no_other_files_problems(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # The folder holds a link to a folder outside it: a folder ingest reports it (not
+    # followed), as it should.
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "x.md").write_text("Outside the corpus.")
+    (harness.root / "shared").symlink_to(outside, target_is_directory=True)
+    first = harness.run()
+    assert [f.uri for f in first.failures] == ["corpus/shared"]
+    gamma = harness.root / "notes" / "gamma.txt"
+    gamma.write_text("Gamma rays, rewritten. " * 30)
+    # `quarry ingest corpus/notes/gamma.txt` concerns that file alone.
+    report = harness.run(source=gamma)
+    assert report.documents_embedded == 1
+    assert report.failures == [], [f"{f.uri}: {f.error}" for f in report.failures]
+
+
+def test_one_file_synced_under_its_indexing_folder_lists_only_the_folders_on_its_path(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for n in range(3):  # what a docs tree holds beside the file: excluded, or unrelated
+        for folder in ("node_modules/pkg", ".git/objects", f"archive/{n}"):
+            path = harness.root / folder / f"f{n}.md"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"File {n}.")
+    harness.run()
+    listed: list[str] = []
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        listed.append(Path(path).relative_to(harness.root.parent).as_posix())
+        return real_scandir(path)
+
+    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    gamma = harness.root / "notes" / "gamma.txt"
+    gamma.write_text("Gamma rays, rewritten. " * 30)
+    assert harness.run(source=gamma).documents_embedded == 1
+    # Before the file was synced under `corpus`, only corpus/notes was listed.
+    assert set(listed) <= {"corpus", "corpus/notes"}, sorted(listed)
+
+
+def test_a_file_in_a_subfolder_named_as_its_indexed_ancestor_is_refused(
+    tmp_path: Path, tei: LocalTEIServer
+) -> None:
+    # docs/a.md and docs/docs/a.md, indexed by ingesting docs/: docs/a.md, docs/docs/a.md.
+    harness = Harness(tmp_path, tei.url)
+    docs = tmp_path / "docs"
+    (docs / "docs").mkdir(parents=True)
+    (docs / "a.md").write_text("Top-level alpha. " * 10)
+    (docs / "docs" / "a.md").write_text("Nested alpha. " * 10)
+    harness.run(source=docs)
+    (docs / "docs" / "a.md").write_text("Nested alpha, rewritten. " * 10)
+    # quarry ingest docs/docs/a.md: `docs/a.md` (its own folder's name) is another file.
+    with pytest.raises(ConfigError, match="cannot be told from the name"):
+        harness.run(source=docs / "docs" / "a.md")
+    texts = {}
+    for point in harness.points().values():
+        payload = point["payload"]
+        texts.setdefault(payload["uri"], "")  # type: ignore[index]
+        texts[payload["uri"]] += payload["text"]  # type: ignore[index]
+    assert "Top-level" in texts["docs/a.md"], texts
+    assert "Top-level" not in texts["docs/docs/a.md"], texts
 
 
 def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import httpx2
 import pytest
 
 from quarry._http import RetryPolicy
 from quarry._pacing import START_IN_FLIGHT, Pacer
 from quarry.embeddings import EmbeddedPart, EmbeddingClient
 from quarry.errors import ServiceUnavailable
+from quarry.fingerprint import read_fingerprint
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 
 
@@ -86,3 +88,75 @@ def test_a_request_that_times_out_alone_names_the_timeout_setting() -> None:
                 client.embed_passages([_passage(1)], documents=["notes/a.md"])
     message = str(caught.value)
     assert "QUARRY_EMBED_TIMEOUT" in message and "notes/a.md" in message
+
+
+def _slow_per_token_service() -> LocalTEIServer:
+    # 1 ms a token, one request of 16 passages (41 tokens each) a step: a CPU-only TEI
+    # in miniature, where a request takes ~0.66 s and the 25-token canary ~0.03 s.
+    config = LocalTEIConfig(
+        backend="hash", dims=8, per_token_us=1000, max_batch_tokens=768, max_input_length=48
+    )
+    return LocalTEIServer(config)
+
+
+def _long_passage(n: int) -> str:
+    return f"passage number {n} " + "word " * 36
+
+
+def _run(canary_first: bool) -> tuple[int, int]:
+    texts = [_long_passage(n) for n in range(12 * 16)]  # 12 requests of 16
+    with _slow_per_token_service() as service:
+        # 12 requests at once wait up to 7.9 s in its queue: past the 6 s timeout.
+        # Started at 4 in flight (2.6 s at most), none times out.
+        with EmbeddingClient(
+            service.url, batch_size=16, concurrency=12, timeout=6.0, retry=RetryPolicy(budget=0)
+        ) as client:
+            if canary_first:
+                read_fingerprint(client)  # as IndexSync.prepare / verify_canary do
+            start = client.requests_sent
+            results = client.embed_passages(texts)
+            sent = client.requests_sent - start
+    assert len(results) == len(texts)
+    return sent, len(texts) // 16
+
+
+def test_without_a_canary_a_slow_service_gets_no_request_twice() -> None:
+    sent, batches = _run(canary_first=False)
+    assert sent == batches
+
+
+def test_the_canary_does_not_open_the_pacer_to_the_services_capacity() -> None:
+    # Every ingest that embeds reads the canary first, on the same client: a one-input
+    # request answered in one step must not stand for 16-input ones.
+    sent, batches = _run(canary_first=True)
+    assert sent == batches, f"{sent - batches} requests timed out and were sent again"
+
+
+class _FirstEmbedConnectTimesOut(httpx2.HTTPTransport):
+    """A real local_tei behind a network that drops the first embedding request's SYN
+    (a connect timeout: nothing reached the service, so nothing is queued there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.url.path.endswith("embeddings") and not self.dropped:
+            self.dropped += 1
+            raise httpx2.ConnectTimeout("timed out connecting", request=request)
+        return super().handle_request(request)
+
+
+def test_a_connect_timeout_is_retried_within_the_budget_as_before() -> None:
+    # Not an answer that came late: the service never saw the request, so it says
+    # nothing about how fast the service embeds, and a retry is what the budget is for.
+    transport = _FirstEmbedConnectTimesOut()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
+        with EmbeddingClient(
+            service.url,
+            transport=transport,
+            timeout=5.0,
+            retry=RetryPolicy(budget=30, initial=0.01, maximum=0.01, jitter=0),
+        ) as client:
+            vector = client.embed_query("what is a quarry?")
+    assert transport.dropped == 1 and len(vector) == 8

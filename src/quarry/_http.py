@@ -254,6 +254,13 @@ def call_with_retries(
         ) from error
 
 
+def answer_late(error: BaseException | None) -> bool:
+    """Whether a timeout is the service's answer coming late (a read timeout), not a
+    request that never reached it (connect, write or pool timeouts): only the former
+    says the service is slower than its load allows (see quarry._pacing)."""
+    return isinstance(error, httpx2.ReadTimeout)
+
+
 def send(
     client: httpx2.Client,
     method: str,
@@ -268,7 +275,7 @@ def send(
         response = client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
         raise TransientFailure(
-            url, f"timed out: {error}", status=None, retry_after=None, timed_out=True
+            url, f"timed out: {error}", status=None, retry_after=None, timed_out=answer_late(error)
         ) from error
     except httpx2.TransportError as error:
         raise TransientFailure(
@@ -321,6 +328,7 @@ __all__ = [
     "RetryPolicy",
     "ServiceError",
     "TransientFailure",
+    "answer_late",
     "call_with_retries",
     "error_message",
     "raise_for_status",

@@ -9,9 +9,9 @@ is working as it should. Every run against such a service failed.
 :class:`Pacer` starts with a few requests in flight and goes up to the service's
 capacity while answers come back fast (TCP's slow start, in spirit):
 
-- an answer within a quarter of the timeout admits one more request, or, when it
-  was that fast with others ahead of it, as many as would be answered as fast
-  (a GPU's first answers open up to the capacity at once);
+- an answer within a quarter of the timeout admits one more request, or, for a
+  whole batch answered that fast with others ahead of it, as many as would be
+  answered as fast (a GPU's first answers open up to the capacity at once);
 - an answer that took over half the timeout admits one fewer;
 - a request that timed out behind others halves what is admitted, and is sent
   again (the caller's retry budget is for a service that is down, not for one
@@ -61,12 +61,14 @@ class Pacer:
                 self.in_flight -= 1
                 self._changed.notify()
 
-    def answered(self, seconds: float, depth: int) -> None:
-        """A request sent at ``depth`` was answered after ``seconds`` (retries included)."""
+    def answered(self, seconds: float, depth: int, *, full: bool = True) -> None:
+        """A request sent at ``depth`` was answered after ``seconds`` (retries included).
+        Only a ``full`` request (a whole batch) says how long others take: a canary, a
+        query or a short last batch is answered faster, and admits one more at most."""
         with self._changed:
             if seconds < self._fast and self.limit < self.ceiling:
                 # About seconds / depth a request: this many are answered within _fast.
-                room = int(depth * self._fast / max(seconds, 1e-3))
+                room = int(depth * self._fast / max(seconds, 1e-3)) if full else 0
                 self.limit = min(self.ceiling, max(self.limit + 1, room))
                 self._changed.notify_all()
             elif seconds > self._slow and self.limit > 1:

@@ -1,8 +1,9 @@
 """The ``quarry`` command line.
 
 Every command takes ``--json`` for a machine-readable result on stdout (a failure
-too: ``{"error": {"type", "message", "exit_code"}}``); logs and progress go to
-stderr. Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted.
+quarry reports too: ``{"error": {"type", "message", "exit_code"}}``; the option
+parser's own usage errors go to stderr only); logs and progress go to stderr.
+Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import openai
 from quarry._http import (
     RetryPolicy,
     TransientFailure,
+    answer_late,
     call_with_retries,
     http_client,
     raise_for_status,
@@ -565,7 +566,8 @@ class EmbeddingClient:
                         pacer.limit,
                     )
                     continue
-            pacer.answered(time.monotonic() - started, depth)
+            full = len(texts) >= self.batch_size
+            pacer.answered(time.monotonic() - started, depth, full=full)
             return vectors
 
     def _post_tei(
@@ -602,7 +604,11 @@ class EmbeddingClient:
                 )
             except openai.APITimeoutError as error:
                 raise TransientFailure(
-                    url, f"timed out: {error}", status=None, retry_after=None, timed_out=True
+                    url,
+                    f"timed out: {error}",
+                    status=None,
+                    retry_after=None,
+                    timed_out=answer_late(error.__cause__),
                 ) from error
             except openai.APIConnectionError as error:
                 raise TransientFailure(

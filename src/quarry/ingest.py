@@ -29,6 +29,7 @@ from quarry.chunking import Chunker
 from quarry.documents import Chunk, Document, FileStamp, point_id
 from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
 from quarry.errors import (
+    ConfigError,
     FingerprintMismatch,
     MassDeleteRefused,
     QuarryError,
@@ -659,9 +660,21 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
     def indexed(name: str, uri: str) -> bool:
         return any(_file_uri(doc.uri) == uri for doc in store.index_state(name).values())
 
-    if indexed(spec.name, spec.uri_prefix + spec.file):
-        return spec
     path = spec.root / spec.file
+    if indexed(spec.name, spec.uri_prefix + spec.file):
+        # A source is known by its name alone: an enclosing folder of the same name
+        # that indexed this file as name/.../file makes `name/file` another file's uri
+        # (docs/a.md beside docs/docs/a.md), and syncing it would replace that one.
+        for folder in spec.root.parents:
+            relative = path.relative_to(folder).as_posix()
+            if folder.name == spec.name and indexed(folder.name, f"{folder.name}/{relative}"):
+                own, nested = spec.uri_prefix + spec.file, f"{folder.name}/{relative}"
+                raise ConfigError(
+                    f"{path}: the source {spec.name!r} holds both {own!r} and {nested!r}, "
+                    "and which of them is this file cannot be told from the name; ingest "
+                    "the folder that was indexed"
+                )
+        return spec
     for folder in spec.root.parents:
         if not folder.name:
             break

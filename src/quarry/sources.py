@@ -390,7 +390,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         continue
                     if not _inside(target, root):
                         is_dir = target.is_dir()
-                        if (is_dir and not spec.excludes(rel + "/")) or (
+                        if (is_dir and _may_hold(spec, rel + "/")) or (
                             not is_dir and spec.includes(rel)
                         ):
                             found.append(
@@ -402,7 +402,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                             )
                         continue
                     if target.is_dir():
-                        if not descend or target in visited or spec.excludes(rel + "/"):
+                        if not descend or target in visited or not _may_hold(spec, rel + "/"):
                             continue
                         visited.add(target)
                         stack.append((path, rel + "/"))
@@ -413,7 +413,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         continue
                     opens = str(target)
                 elif entry.is_dir(follow_symlinks=False):
-                    if not descend or spec.excludes(rel + "/"):
+                    if not descend or not _may_hold(spec, rel + "/"):
                         continue
                     path = Path(where)
                     real = path.resolve()
@@ -436,6 +436,16 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                 found.append(_Found(rel, where, opens=opens))
     found.sort(key=lambda item: item.rel)
     yield from found
+
+
+def _may_hold(spec: SourceSpec, folder: str) -> bool:
+    """Whether the folder ``folder`` (relative, with its trailing ``/``) may hold a file
+    of ``spec``: one that is not excluded, and for a one-file source only a folder on
+    the file's path (one file synced under the folder that indexed it, see
+    quarry.ingest.as_indexed, is not a walk of that folder's whole tree)."""
+    if spec.file is not None:
+        return spec.file.startswith(folder)
+    return not spec.excludes(folder)
 
 
 def _is_utf8(name: str) -> bool:
@@ -471,7 +481,7 @@ def _report_undecodable_name(
     except OSError:
         is_dir = False
     if is_dir:
-        if descend and not spec.excludes(rel + "/"):
+        if descend and _may_hold(spec, rel + "/"):
             found.append(_Found(rel + "/", entry.path, _UNDECODABLE_FOLDER))
     elif spec.includes(rel):
         found.append(_Found(rel, entry.path, _UNDECODABLE_FILE))
