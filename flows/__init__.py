@@ -64,13 +64,13 @@ def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Ite
         _filter_once("EventsWorker", _NoDrainNotice)
         with (
             temporary_settings(updates={"flows.heartbeat_frequency": None}),
-            _stop_on_ctrl_c(interrupted, clean_up_s),
+            _stop_on_signals(interrupted, clean_up_s),
         ):
             yield
 
 
 @contextmanager
-def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
+def _stop_on_signals(note: str, clean_up_s: float) -> Iterator[None]:
     """Ctrl-C (SIGINT) and SIGTERM (``kill``, systemd, cron's timeouts) both stop the run
     so: Python's default for SIGTERM ends the process at once and left Prefect's
     temporary server running, orphaned. Exit status 128 + the signal's number."""
@@ -78,7 +78,7 @@ def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
         yield  # signal handlers belong to the main thread
         return
     said = f"interrupted{': ' + note if note else ''}"
-    cleaning = threading.Event()
+    received: list[int] = []  # the signal a clean-up started on
 
     def exit_now(code: int) -> None:
         sys.stderr.write(f"\n{said}\n")
@@ -86,12 +86,9 @@ def _stop_on_ctrl_c(note: str, clean_up_s: float) -> Iterator[None]:
         _stop_embedded_prefect_server()
         os._exit(code)
 
-    received: list[int] = []
-
     def stop(signum: int, frame: FrameType | None) -> None:
-        if not clean_up_s or cleaning.is_set():
+        if not clean_up_s or received:
             exit_now(128 + signum)
-        cleaning.set()
         received.append(signum)
         again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
         sys.stderr.write(f"\n{said} (cleaning up; {again} again to stop at once)\n")

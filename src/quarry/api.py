@@ -1010,17 +1010,14 @@ class QueryService:
     ) -> tuple[list[float], bool]:
         """:meth:`_rerank_fitted` within what is left of the query's time. A reranker
         that has not answered by then has failed (and starts RERANK_COOLDOWN_S)."""
-        deadline = asyncio.timeout_at(_answer_by.get())
         started = time.monotonic()
         try:
-            async with deadline:
-                return await self._rerank_fitted(query, texts, truncate)
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            error = self._no_answer(self.reranker.base_url)
+            return await self._in_time(
+                self._rerank_fitted(query, texts, truncate), self.reranker.base_url
+            )
+        except _NoAnswer as error:
             self._reranker_outage.timed_out(error, started)
-            raise error from None
+            raise
 
     async def _rerank_fitted(
         self, query: str, texts: list[str], truncate: bool
@@ -1122,22 +1119,29 @@ class QueryService:
         With ``query_input``, InputTooLong (the client's query is too long for the
         model) becomes ``_TooLong`` instead: the client's fault, not the service's.
         """
-        deadline = asyncio.timeout_at(_answer_by.get())
         try:
-            async with deadline:
-                return await awaitable
+            return await self._in_time(awaitable, "")
         except InputTooLong as error:
             if not query_input:
                 raise _dependency_down(dependency, error) from None
             raise _TooLong(_reason(error)) from None
         except ApiError:
             raise
-        except Exception as error:
-            if deadline.expired():
-                raise _dependency_down(dependency, self._no_answer("")) from None
+        except Exception as error:  # _NoAnswer among them: a 504
             if dependency != _QDRANT and not isinstance(error, _DEPENDENCY_ERRORS):
                 raise
             raise _dependency_down(dependency, error) from None
+
+    async def _in_time(self, awaitable: Awaitable[T], url: str) -> T:
+        """``await awaitable`` by the query's deadline; past it, raise _NoAnswer for ``url``."""
+        deadline = asyncio.timeout_at(_answer_by.get())
+        try:
+            async with deadline:
+                return await awaitable
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise self._no_answer(url) from None
 
     def _no_answer(self, url: str) -> _NoAnswer:
         return _NoAnswer(

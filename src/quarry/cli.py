@@ -186,11 +186,11 @@ def ingest(
         _preflight(settings)
         if not all(path.exists() for path in paths):
             # A named file that is gone: refuse a typo before Prefect starts.
-            from quarry.ingest import refuse_unknown_missing_files
+            from quarry.ingest import as_indexed, refuse_unknown_missing_files
             from quarry.store import VectorStore, open_client
 
             with closing(VectorStore(open_client(settings), settings.collection)) as store:
-                refuse_unknown_missing_files(store, specs)
+                refuse_unknown_missing_files(store, [as_indexed(store, s) for s in specs])
     from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
     with _errors_to_exit_codes():

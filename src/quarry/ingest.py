@@ -656,9 +656,10 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
     """
     if spec.file is None or "/" in spec.file or not store.exists():
         return spec
+    files: dict[str, set[str]] = {}
 
     def indexed(name: str, uri: str) -> bool:
-        return any(_file_uri(doc.uri) == uri for doc in store.index_state(name).values())
+        return uri in _indexed_files(store, name, files)
 
     path = spec.root / spec.file
     if indexed(spec.name, spec.uri_prefix + spec.file):
@@ -684,8 +685,17 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
     return spec
 
 
+def _indexed_files(store: VectorStore, source: str, seen: dict[str, set[str]]) -> set[str]:
+    """The file uris indexed for ``source``, read once per ``seen``."""
+    if source not in seen:
+        state = store.index_state(source) if store.exists() else {}
+        seen[source] = {_file_uri(doc.uri) for doc in state.values()}
+    return seen[source]
+
+
 def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]) -> None:
     """Raise SourceNotFound for a one-file source whose file is gone and was never indexed.
+    The specs are as :func:`as_indexed` resolved them.
 
     A named file that is gone is synced (its documents are deleted); one that is
     neither on disk nor in the index is most likely a typo. Checked for every
@@ -701,12 +711,9 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
     if not missing:
         return
     indexed: dict[str, set[str]] = {}
-    for spec in (as_indexed(store, spec) for spec in missing):
-        if spec.name not in indexed:
-            state = store.index_state(spec.name) if store.exists() else {}
-            indexed[spec.name] = {_file_uri(doc.uri) for doc in state.values()}
+    for spec in missing:
         uri = f"{spec.uri_prefix}{spec.file}"
-        if uri in indexed[spec.name]:
+        if uri in _indexed_files(store, spec.name, indexed):
             continue
         path = str(spec.root / str(spec.file))
         # A folder that was indexed is a source named after it, not a file of its parent.
