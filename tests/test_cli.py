@@ -268,6 +268,27 @@ def test_a_refusal_with_json_is_a_json_error_on_stdout(tmp_path: Path) -> None:
     assert "nowhere" in error["message"] and error["message"] in result.stderr
 
 
+def test_an_option_parser_error_with_json_is_a_json_usage_error_on_stdout(
+    tmp_path: Path,
+) -> None:
+    env = {"QUARRY_DATA_DIR": str(tmp_path / "d")}
+    cases = {
+        ("ingest", "--json", "--no-such-flag"): "--no-such-flag",
+        ("query", "--json"): "Missing argument",
+        ("chunk", str(tmp_path / "a.md"), "--json", "--max-tokens", "many"): "--max-tokens",
+    }
+    for args, said in cases.items():
+        result = run(list(args), env, timeout=120)
+        assert result.returncode == 2, (args, result.stderr)
+        error = json.loads(result.stdout)["error"]
+        assert (error["type"], error["exit_code"]) == ("usage", 2), args
+        assert said in error["message"] and error["message"] in result.stderr, args
+    # Without --json the parser's own report stays on stderr, stdout empty.
+    result = run(["ingest", "--no-such-flag"], env, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "--no-such-flag" in result.stderr
+
+
 def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:

@@ -1,8 +1,8 @@
 """The ``quarry`` command line.
 
 Every command takes ``--json`` for a machine-readable result on stdout (a failure
-quarry reports too: ``{"error": {"type", "message", "exit_code"}}``; the option
-parser's own usage errors go to stderr only); logs and progress go to stderr.
+too, the option parser's usage errors included: ``{"error": {"type", "message",
+"exit_code"}}``); logs, progress and error lines go to stderr.
 Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 """
 
@@ -52,11 +52,15 @@ _json_errors = False
 _ERROR_KINDS = {EXIT_FAILED: "failed", EXIT_USAGE: "usage", EXIT_REFUSED: "refused"}
 
 
+def _echo_json_error(message: str, code: int) -> None:
+    error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
+    typer.echo(json.dumps({"error": error}))
+
+
 def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"quarry: error: {message}", err=True)
     if _json_errors:
-        error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
-        typer.echo(json.dumps({"error": error}))
+        _echo_json_error(message, code)
     raise typer.Exit(code)
 
 
@@ -673,6 +677,26 @@ def local_tei(ctx: typer.Context) -> None:
     serve_local_tei(ctx.args, prog="quarry local-tei", port=8001)
 
 
+def _run_for_json() -> int:
+    """Run the app so that the option parser's usage errors reach stdout as JSON too.
+
+    In standalone mode typer prints those itself and exits; without it they are
+    raised here, as ``typer.TyperException`` (click's exceptions in typer's copy).
+    """
+    try:
+        result = app(standalone_mode=False)
+    except typer.TyperException as error:
+        message = error.format_message()
+        typer.echo(f"quarry: error: {message}", err=True)
+        _echo_json_error(message, error.exit_code)
+        return error.exit_code
+    except typer.Abort:
+        typer.echo("quarry: error: aborted", err=True)
+        _echo_json_error("aborted", EXIT_FAILED)
+        return EXIT_FAILED
+    return result if isinstance(result, int) else EXIT_OK
+
+
 def main() -> None:
     """Console-script entry point."""
     global _json_errors
@@ -680,6 +704,8 @@ def main() -> None:
     options = arguments[: arguments.index("--")] if "--" in arguments else arguments
     _json_errors = "--json" in options
     try:
+        if _json_errors:
+            sys.exit(_run_for_json())
         app()
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
