@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,11 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture
 
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
-from quarry.ingest import BatchResult, IndexSync, IngestReport, run_sync
+from quarry.ingest import BatchResult, IndexSync, IngestProgress, IngestReport, run_sync
 from quarry.services import open_services
 from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
 
@@ -38,34 +36,31 @@ def write_documents(sync: IndexSync, documents: list[Document]) -> BatchResult:
     return sync.write_batch(documents)
 
 
-BatchProgress = Callable[[BatchResult], None]
-# Set by an interactive caller (the CLI) to watch batches complete; a deployment leaves it unset.
-INGEST_PROGRESS: ContextVar[BatchProgress | None] = ContextVar(
+ProgressCallback = Callable[[IngestProgress], None]
+# Set by an interactive caller (the CLI) to draw a live progress line; a deployment leaves it unset.
+INGEST_PROGRESS: ContextVar[ProgressCallback | None] = ContextVar(
     "quarry_ingest_progress", default=None
 )
+# How often a long run logs how far it has got (what a deployment's log shows).
+PROGRESS_LOG_SECONDS = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Watched:
-    """A batch's future that reports its result to the progress callback when collected."""
+def _progress_reporter(
+    logger: Any, live: ProgressCallback | None, every: float = PROGRESS_LOG_SECONDS
+) -> ProgressCallback:
+    """Pass each update to ``live`` and log one at most every ``every`` seconds."""
+    last_logged = time.monotonic()
 
-    future: PrefectFuture[BatchResult]
-    on_done: BatchProgress
+    def report(progress: IngestProgress) -> None:
+        nonlocal last_logged
+        if live is not None:
+            live(progress)
+        now = time.monotonic()
+        if now - last_logged >= every:
+            last_logged = now
+            logger.info("progress: %s", progress.describe())
 
-    def result(self) -> BatchResult:
-        value = self.future.result()
-        self.on_done(value)
-        return value
-
-
-def _submitter(on_done: BatchProgress | None) -> Callable[[IndexSync, list[Document]], Any]:
-    if on_done is None:
-        return write_documents.submit
-
-    def submit(sync: IndexSync, documents: list[Document]) -> _Watched:
-        return _Watched(write_documents.submit(sync, documents), on_done)
-
-    return submit
+    return report
 
 
 @contextmanager
@@ -168,9 +163,10 @@ def ingest_flow(
             full_sync=full_sync,
             allow_mass_delete=allow_mass_delete,
             max_file_bytes=settings.max_file_bytes,
-            submit=_submitter(INGEST_PROGRESS.get()),
+            submit=write_documents.submit,
             window=settings.workers,
             log=logger,
+            progress=_progress_reporter(logger, INGEST_PROGRESS.get()),
         )
     elapsed = time.monotonic() - started
     logger.info(

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.ingest import INGEST_PROGRESS, _progress_reporter
+from quarry.ingest import IngestProgress
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from tests.conftest import write_corpus
 
@@ -36,7 +38,17 @@ def test_flow_ingests_then_skips_unchanged(
     past = time.time_ns() - 10 * 10**9  # not written just before the run: stamps vouch
     for path in corpus.iterdir():
         os.utime(path, ns=(past, past))
-    first = ingest_flow(sources=[str(corpus)], collection="flowtest")
+    states: list[IngestProgress] = []
+    token = INGEST_PROGRESS.set(states.append)
+    try:
+        first = ingest_flow(sources=[str(corpus)], collection="flowtest")
+    finally:
+        INGEST_PROGRESS.reset(token)
+    # Progress counts a file done once its batch is written: 64 documents, then the rest.
+    assert states[0] == IngestProgress(0, 71, 0, 0, 0)
+    assert any(0 < state.files_done < 71 for state in states)
+    assert [s.files_done for s in states] == sorted(s.files_done for s in states)
+    assert states[-1] == IngestProgress(71, 71, 70, first["chunks_embedded"], 1)
     assert first["documents_embedded"] == 70
     assert first["documents_failed"] == 1
     assert first["failures"][0]["uri"] == "kb/bad.pdf"
@@ -60,6 +72,26 @@ def test_flow_ingests_then_skips_unchanged(
     reread = ingest_flow(sources=[str(corpus)], collection="flowtest", reread=True)
     assert (reread["files_unread"], reread["documents_skipped"]) == (0, 70)
     assert reread["embedding_requests"] == 0
+
+
+def test_a_long_run_logs_its_progress_at_most_every_interval() -> None:
+    logged: list[str] = []
+
+    class Logger:
+        def info(self, message: str, *args: object) -> None:
+            logged.append(message % args)
+
+    shown: list[IngestProgress] = []
+    states = [IngestProgress(n, 10, n, 2 * n, 0) for n in range(3)]
+    for every, live in ((3600.0, shown.append), (0.0, None)):
+        report = _progress_reporter(Logger(), live, every=every)
+        for state in states:
+            report(state)
+    # Within the interval nothing is logged, but the live line sees every update.
+    assert shown == states
+    assert logged == [f"progress: {state.describe()}" for state in states]
+    assert logged[2] == "progress: 2 of 10 files done; embedded 2 documents (4 chunks)"
+    assert IngestProgress(1, 2, 0, 0, 1).describe().endswith("; 1 failed")
 
 
 def test_flow_publishes_a_markdown_artifact(

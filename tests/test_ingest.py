@@ -23,11 +23,12 @@ from quarry.errors import (
     ServingChanged,
     SourceNotFound,
 )
-from quarry.ingest import IndexSync, IngestReport, run_sync
+from quarry.ingest import IndexSync, IngestProgress, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.sources import open_source
 from quarry.store import VectorStore, open_client
 from tests.conftest import fail_listing, write_corpus
+from tests.test_sources import make_pdf
 
 CORPUS = {
     "alpha.md": "# Alpha\n\nAlpha is the first letter. " * 20,
@@ -118,6 +119,18 @@ def test_rerun_on_unchanged_files_makes_no_embedding_request(
     assert report.embedding_requests == 0
     assert embeds == 0
     assert harness.points().keys() == before.keys()
+
+
+def test_progress_counts_files_with_a_pdf_s_pages_as_one_file(harness: Harness) -> None:
+    (harness.root / "manual.pdf").write_bytes(make_pdf(["page one text", "page two text"]))
+    states: list[IngestProgress] = []
+    report = harness.run(progress=states.append)
+    assert report.documents_embedded == 6  # four files, and the PDF's two pages
+    assert states[0] == IngestProgress(0, 5, 0, 0, 0)
+    assert states[-1] == IngestProgress(5, 5, 6, report.chunks_embedded, 0)
+    states.clear()
+    harness.run(progress=states.append)  # nothing to embed: every file is done unread
+    assert states[-1] == IngestProgress(5, 5, 0, 0, 0)
 
 
 def test_touching_a_file_re_embeds_nothing(harness: Harness) -> None:
@@ -740,7 +753,6 @@ def test_a_file_with_a_document_missing_from_the_index_is_read_again(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from quarry.documents import doc_id_for
-    from tests.test_sources import make_pdf
 
     (harness.root / "manual.pdf").write_bytes(make_pdf(["Page one.", "Page two.", "Page 3."]))
     _settle(harness.root)

@@ -92,31 +92,34 @@ def _settings(**overrides: Any) -> Settings:
 
 @contextmanager
 def _ingest_progress() -> Iterator[None]:
-    """A live progress line on an interactive stderr while batches are embedded."""
+    """A live progress line on an interactive stderr: files done of found, what was embedded."""
     if not sys.stderr.isatty():
         yield
         return
     from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from flows.ingest import INGEST_PROGRESS
+    from quarry.ingest import IngestProgress
 
-    totals = {"documents": 0, "chunks": 0, "failed": 0}
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        BarColumn(bar_width=20),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("starting (Prefect, then the first batch)...", total=None)
 
-        def on_batch(result: Any) -> None:
-            totals["documents"] += result.documents_embedded
-            totals["chunks"] += result.chunks_embedded
-            totals["failed"] += len(result.failures)
+        def show(state: IngestProgress) -> None:
             progress.update(
                 task,
-                description=f"embedded {totals['documents']} documents "
-                f"({totals['chunks']} chunks), {totals['failed']} failed",
+                description=state.describe(),
+                total=state.files_found or None,
+                completed=state.files_done,
             )
 
-        token = INGEST_PROGRESS.set(on_batch)
+        token = INGEST_PROGRESS.set(show)
         try:
             yield
         finally:

@@ -125,6 +125,34 @@ class IngestReport:
 
 
 @dataclass(frozen=True, slots=True)
+class IngestProgress:
+    """How far a run has got, for a progress line or a log line."""
+
+    files_done: int  # files unchanged, failed to load, or with their documents written
+    files_found: int  # files found in the sources walked so far
+    documents_embedded: int
+    chunks_embedded: int
+    documents_failed: int
+
+    def describe(self) -> str:
+        """One line, e.g. ``340 of 1,200 files done; embedded 300 documents (620 chunks)``."""
+        line = (
+            f"{self.files_done:,} of {self.files_found:,} files done; embedded "
+            f"{self.documents_embedded:,} documents ({self.chunks_embedded:,} chunks)"
+        )
+        if self.documents_failed:
+            line += f"; {self.documents_failed:,} failed"
+        return line
+
+
+@dataclass(slots=True)
+class _FileTally:
+    found: int = 0
+    checked: int = 0  # compared with the index (read or not)
+    in_flight: int = 0  # checked, with documents in batches not yet written
+
+
+@dataclass(frozen=True, slots=True)
 class SourcePlan:
     """What a sync of one source will do, decided before any embedding."""
 
@@ -796,6 +824,7 @@ def run_sync(
     window: int = 4,
     log: logging.Logger | logging.LoggerAdapter[Any] = logger,
     load_failures: list[Failure] | None = None,
+    progress: Callable[[IngestProgress], None] | None = None,
 ) -> IngestReport:
     """Sync every source into the collection and return the report.
 
@@ -803,7 +832,8 @@ def run_sync(
     ``result()`` (a Prefect future in the flow); at most ``window`` batches are in
     flight, so memory stays bounded whatever the corpus size. The failures of
     files that could not be loaded (a part of the report's ``failures``) are also
-    appended to ``load_failures`` when given.
+    appended to ``load_failures`` when given. ``progress`` is called once a
+    source is walked, after each batch is written, and at the end.
     """
     specs = [as_indexed(sync.store, spec) for spec in specs]
     refuse_unknown_missing_files(sync.store, specs)
@@ -811,8 +841,33 @@ def run_sync(
     sync.prepare(report)
     for note in report.notes:
         log.info(note)
+    files = _FileTally()
+
+    def tell() -> None:
+        if progress is not None:
+            progress(
+                IngestProgress(
+                    max(files.checked - files.in_flight, 0),
+                    files.found,
+                    report.documents_embedded,
+                    report.chunks_embedded,
+                    report.documents_failed,
+                )
+            )
+
+    # Batches submitted and not yet collected, with how many files each holds.
+    in_flight: deque[tuple[_Result, int]] = deque()
+
+    def collect_oldest() -> None:
+        future, batch_files = in_flight.popleft()
+        _collect(future, report, log)
+        files.in_flight -= batch_files
+        tell()
+
     for spec in specs:
         plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
+        files.found += len(plan.listing.found) if plan.listing is not None else 1
+        tell()
         if spec.file is None and plan.listing is not None and not plan.listing.found:
             note = (
                 f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
@@ -823,15 +878,16 @@ def run_sync(
         seen: set[str] = set()
         failed_uris: set[str] = set()
         pending = _pending_documents(
-            sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures
+            sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures, files
         )
-        in_flight: deque[_Result] = deque()
         for batch in _batches(pending):
-            in_flight.append(submit(sync, batch))
+            batch_files = len({_file_uri(document.uri) for document in batch})
+            files.in_flight += batch_files
+            in_flight.append((submit(sync, batch), batch_files))
             while len(in_flight) >= window:
-                _collect(in_flight.popleft(), report, log)
+                collect_oldest()
         while in_flight:
-            _collect(in_flight.popleft(), report, log)
+            collect_oldest()
         if full_sync:
             deleted, points = sync.clean_source(
                 plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
@@ -839,6 +895,7 @@ def run_sync(
             report.documents_deleted += deleted
             report.chunks_deleted += points
     sync.finish(report)
+    tell()
     return report
 
 
@@ -851,6 +908,7 @@ def _pending_documents(
     max_file_bytes: int,
     log: logging.Logger | logging.LoggerAdapter[Any],
     load_failures: list[Failure] | None = None,
+    files: _FileTally | None = None,
 ) -> Iterator[Document]:
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
 
@@ -860,7 +918,13 @@ def _pending_documents(
     items = iter_documents(
         plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged, listing=plan.listing
     )
+    files = files if files is not None else _FileTally()
+    last_file = None
     for item in items:
+        file = _file_uri(item.uri)  # a PDF's pages are documents of one file
+        if file != last_file:
+            files.checked += 1
+            last_file = file
         if isinstance(item, UnchangedFile):
             docs = plan.files[item.uri]
             report.files_unread += 1
