@@ -466,11 +466,11 @@ class AsyncRerankClient:
             self._info = ServiceInfo.from_tei(self.base_url, raw)
         self._info_loaded = True
 
-    async def dialect(self) -> Literal["tei", "cohere"]:
+    async def dialect(self, *, retry: RetryPolicy | None = None) -> Literal["tei", "cohere"]:
         """The API in use: as set, else TEI when ``/info`` answers, else Cohere-style."""
         if self._dialect != "auto":
             return self._dialect
-        return "tei" if await self.info() is not None else "cohere"
+        return "tei" if await self.info(retry=retry) is not None else "cohere"
 
     async def batch_size(self, *, retry: RetryPolicy | None = None) -> int:
         """Texts per request (rerank texts count against ``max_client_batch_size``)."""
@@ -548,7 +548,19 @@ class AsyncRerankClient:
     async def _post(self, query: str, texts: list[str], policy: RetryPolicy) -> list[float]:
         if not texts:
             return []
-        dialect = await self.dialect()
+        try:
+            return await self._post_once(query, texts, policy)
+        except InputTooLong:
+            raise
+        except (ServiceUnavailable, RequestRejected, BadResponse):
+            # The reranker may have been restarted with other limits (a smaller batch,
+            # fewer requests in flight): read its /info again next time.
+            if self._info_fetch is None or self._info_fetch.done():
+                self._info_loaded, self._info_fetch = False, None
+            raise
+
+    async def _post_once(self, query: str, texts: list[str], policy: RetryPolicy) -> list[float]:
+        dialect = await self.dialect(retry=policy)
         if dialect == "tei":
             url = f"{self.base_url}/rerank"
             body: dict[str, Any] = {

@@ -73,6 +73,7 @@ from quarry._async_clients import (
 from quarry._http import RetryPolicy
 from quarry.config import Settings
 from quarry.errors import (
+    BadResponse,
     CanaryMismatch,
     ConfigError,
     FingerprintMismatch,
@@ -190,7 +191,10 @@ class QueryRequest(BaseModel):
     )
     top_k: int = Field(10, ge=1, le=100, description="Passages to return.")
     candidates: int = Field(
-        50, ge=1, le=1000, description="Vector candidates fetched before reranking."
+        50,
+        ge=1,
+        le=1000,
+        description="Vector candidates fetched before reranking (at least `top_k`).",
     )
     filter: QueryFilter | None = None
     rerank: bool = Field(True, description="Rerank the candidates (else vector scores only).")
@@ -198,9 +202,14 @@ class QueryRequest(BaseModel):
         None,
         allow_inf_nan=False,
         description="Drop results scoring under this. Default for reranked answers: "
-        "QUARRY_RERANK_THRESHOLD; vector-only answers are cut only when this is given.",
+        "QUARRY_RERANK_THRESHOLD; answers with `rerank` false are cut only when this is "
+        "given, and one that fell back to vector scores after a failed rerank is not cut.",
     )
-    collapse: Collapse = Field("none", description="`doc`: keep each document's best passage.")
+    collapse: Collapse = Field(
+        "none",
+        description="`doc`: keep each document's best passage among the candidates "
+        "(fewer than `top_k` results when the candidates hold fewer documents).",
+    )
     truncate: bool = Field(
         False,
         description="Cut a query over the token limit instead of refusing it; the answer "
@@ -256,7 +265,9 @@ class ErrorInfo(BaseModel):
     type: str = Field(description="A stable machine-readable kind, e.g. `invalid_request`.")
     message: str
     request_id: str
-    dependency: str | None = Field(None, description="For 503s: the dependency that failed.")
+    dependency: str | None = Field(
+        None, description="For 503s and 504s: the dependency that failed or did not answer."
+    )
     details: list[dict[str, Any]] | None = Field(None, description="Per-field validation errors.")
 
 
@@ -661,27 +672,37 @@ class _Refusal:
 
 class _Outage:
     """A dependency's last failure, after which it is not asked again for ``cooldown_s``:
-    every query would otherwise wait out its retries against a service known to be down."""
+    every query would otherwise wait out its retries against a service known to be down.
+    Once the cooldown is over one caller at a time asks it again (the others keep
+    getting the outage) until it answers or fails again."""
 
     def __init__(self, cooldown_s: float) -> None:
         self.cooldown_s = cooldown_s
         self._last: tuple[float, ServiceUnavailable] | None = None  # (time.monotonic(), error)
         self._answered = -math.inf  # time.monotonic() of its last answer
+        self._trial_since: float | None = None  # when the caller now asking again began
 
     def check(self) -> None:
-        """Raise ServiceUnavailable while the last failure is under ``cooldown_s`` old."""
+        """Raise ServiceUnavailable while the last failure is under ``cooldown_s`` old, or
+        while another caller is asking again after it (for at most ``cooldown_s`` more)."""
         last = self._last
         if last is None:
             return
-        age = time.monotonic() - last[0]
+        now = time.monotonic()
+        age = now - last[0]
         if age >= self.cooldown_s:
-            return
+            trial = self._trial_since
+            if trial is None or now - trial >= self.cooldown_s:
+                self._trial_since = now  # this caller asks; one that vanished is replaced
+                return
+            detail = "another query is asking it again"
+        else:
+            detail = f"asked again {self.cooldown_s:g}s after that"
         # A new error each time: raising the cached one would grow its traceback (and
         # keep every failed query's locals alive) until the service is back.
         raise ServiceUnavailable(
             last[1].url,
-            f"failed {age:.1f}s ago ({_reason(last[1])}); "
-            f"asked again {self.cooldown_s:g}s after that",
+            f"failed {age:.1f}s ago ({_reason(last[1])}); {detail}",
             status=last[1].status,
         )
 
@@ -691,11 +712,18 @@ class _Outage:
         failed on this input (424, 500) may serve the next query."""
         if error.status in (None, 502, 503, 504):
             self._last = (time.monotonic(), error)
+        self._trial_since = None
 
     def recovered(self) -> None:
         """The dependency answered."""
         self._last = None
+        self._trial_since = None
         self._answered = time.monotonic()
+
+    def abandoned(self) -> None:
+        """The caller asking again failed in a way that says nothing of the dependency
+        (a one-attempt probe): the next caller may ask."""
+        self._trial_since = None
 
     def timed_out(self, error: ServiceUnavailable, started: float) -> None:
         """A call begun at ``started`` had no answer in its query's time: down, unless
@@ -725,6 +753,8 @@ class QueryService:
         self._lock = asyncio.Lock()
         self._verifying = _QDRANT  # what the verify() under way (holding the lock) awaits
         self._recheck: asyncio.Task[None] | None = None
+        # The embedding service failed since the verdict: it may be back as another model.
+        self._seen_down = False
         self._reranker_outage = _Outage(RERANK_COOLDOWN_S)
         self._embedding_outage = _Outage(EMBED_COOLDOWN_S)
         self._rerank_retry = dataclasses.replace(
@@ -743,16 +773,19 @@ class QueryService:
         good one in the background while queries go on under it, a refusal in the
         request itself (that request fails anyway), so a model swapped behind the
         service's URL is refused, and a model put back is served again, within
-        that time. Raises ApiError: 409 when the live model did not build the
-        index, 503 when Qdrant or the embedding service cannot be asked.
+        that time. The request itself judges afresh, before it embeds anything, when
+        the embedding service failed since the verdict (a restart may bring another
+        model back) or the verdict is two rechecks old (no query came to renew it).
+        Raises ApiError: 409 when the live model did not build the index, 503 when
+        Qdrant or the embedding service cannot be asked.
         """
         verified = self._verified
-        if verified is not None:
+        if verified is not None and not self._must_rejudge():
             if self._stale() and self._recheck is None:
                 self._recheck = asyncio.create_task(self._recheck_in_background())
             return verified
         async with self._locked():
-            if self._verified is None and self._refused is None:
+            if self._refused is None and (self._verified is None or self._must_rejudge()):
                 await self.verify()
             elif self._refused is not None and self._stale():
                 # One attempt: this request fails anyway if the dependency is down, and
@@ -767,6 +800,10 @@ class QueryService:
                 raise _refusal(self._refused.kind(self._refused.message))
             assert self._verified is not None
             return self._verified
+
+    def _must_rejudge(self) -> bool:
+        age = time.monotonic() - self._judged_at
+        return self._seen_down or age > 2 * self.settings.fingerprint_recheck_seconds
 
     @asynccontextmanager
     async def _locked(self) -> AsyncIterator[None]:
@@ -828,8 +865,12 @@ class QueryService:
             try:
                 answer = await request(retry=retry or self._embed_retry)
             except ServiceUnavailable as error:
+                if error.status in (None, 502, 503, 504):
+                    self._seen_down = True
                 if retry is None:
                     self._embedding_outage.failed(error)
+                else:
+                    self._embedding_outage.abandoned()
                 raise
             self._embedding_outage.recovered()
             return answer
@@ -839,6 +880,7 @@ class QueryService:
             return await self._call(_EMBEDDING, guarded(), query_input=query_input)
         except ApiError as error:
             if error.status == 504 and retry is None:  # hung: as good as down
+                self._seen_down = True
                 self._embedding_outage.timed_out(self._no_answer(self.embedder.base_url), started)
             raise
 
@@ -866,6 +908,7 @@ class QueryService:
                 canary_min_cosine=self.settings.canary_min_cosine,
             )
         except Refused as error:
+            self._seen_down = False
             refusal = _Refusal(type(error), str(error))
             if refusal != self._refused:  # once per change, not once per readiness probe
                 logger.error("quarry api refuses to answer queries: %s", error)
@@ -876,6 +919,7 @@ class QueryService:
             logger.info("quarry api: the embedding service matches the index again")
         self._verified, self._refused = verified, None
         self._judged_at = time.monotonic()
+        self._seen_down = False
         return verified
 
     async def aclose(self) -> None:
@@ -916,6 +960,22 @@ class QueryService:
                 query_text, body.truncate, fingerprint.query_task or None
             )
             timings["embed"] = _ms_since(mark)
+            if len(vector) != fingerprint.model.dimensions:
+                # Another model behind the URL since the verdict: judge it now (a 409
+                # naming both), never search with its vector.
+                if attempt:
+                    raise _dependency_down(
+                        _EMBEDDING,
+                        BadResponse(
+                            self.embedder.base_url,
+                            f"a query vector of {len(vector)} dimensions; the index "
+                            f"holds {fingerprint.model.dimensions}",
+                        ),
+                    )
+                async with self._locked():
+                    if self._verified is fingerprint:
+                        await self.verify()
+                continue
 
             mark = time.perf_counter()
             query_filter = _to_search_filter(body.filter)
@@ -1008,12 +1068,16 @@ class QueryService:
     async def _rerank_in_time(
         self, query: str, texts: list[str], truncate: bool
     ) -> tuple[list[float], bool]:
-        """:meth:`_rerank_fitted` within what is left of the query's time. A reranker
-        that has not answered by then has failed (and starts RERANK_COOLDOWN_S)."""
+        """:meth:`_rerank_fitted` within QUARRY_RERANK_TIMEOUT (a required reranker: what
+        is left of the query's time). A reranker that has not answered by then has
+        failed (and starts RERANK_COOLDOWN_S)."""
         started = time.monotonic()
+        within = None if self.settings.rerank_required else self.settings.rerank_timeout
         try:
             return await self._in_time(
-                self._rerank_fitted(query, texts, truncate), self.reranker.base_url
+                self._rerank_fitted(query, texts, truncate),
+                self.reranker.base_url,
+                within=(within, "QUARRY_RERANK_TIMEOUT") if within is not None else None,
             )
         except _NoAnswer as error:
             self._reranker_outage.timed_out(error, started)
@@ -1132,15 +1196,26 @@ class QueryService:
                 raise
             raise _dependency_down(dependency, error) from None
 
-    async def _in_time(self, awaitable: Awaitable[T], url: str) -> T:
-        """``await awaitable`` by the query's deadline; past it, raise _NoAnswer for ``url``."""
-        deadline = asyncio.timeout_at(_answer_by.get())
+    async def _in_time(
+        self, awaitable: Awaitable[T], url: str, *, within: tuple[float, str] | None = None
+    ) -> T:
+        """``await awaitable`` by the query's deadline, or sooner within ``(seconds, the
+        setting that says so)``; past it, raise _NoAnswer for ``url``."""
+        answer_by = _answer_by.get()
+        own_limit = False
+        if within is not None:
+            own = asyncio.get_running_loop().time() + within[0]
+            if answer_by is None or own < answer_by:
+                answer_by, own_limit = own, True
+        deadline = asyncio.timeout_at(answer_by)
         try:
             async with deadline:
                 return await awaitable
         except TimeoutError:
             if not deadline.expired():
                 raise
+            if own_limit and within is not None:
+                raise _NoAnswer(url, f"no answer within {within[0]:g}s ({within[1]})") from None
             raise self._no_answer(url) from None
 
     def _no_answer(self, url: str) -> _NoAnswer:
@@ -1448,7 +1523,7 @@ _RESPONSE_EXAMPLE: dict[str, Any] = {
             "chunk_index": 2,
             "headings": ["Operations", "API keys"],
             "title": "API keys",
-            "metadata": {"team": "platform"},
+            "metadata": {"content_type": "text/markdown"},
         }
     ],
     "model": {"model_id": "BAAI/bge-small-en-v1.5", "model_key": "1a2b3c4d5e6f"},
@@ -1492,6 +1567,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
             '"request_id"}}`.'
         ),
         lifespan=lifespan,
+        # /v1/query/ is a 404 in the error shape, not a 307 with an empty body.
+        redirect_slashes=False,
     )
     check_api_key_setting(settings)
     app.state.settings = settings
@@ -1707,7 +1784,9 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8000) -> None
             lifespan="on",
             access_log=False,  # quarry logs each request itself, with its request id
             timeout_keep_alive=75,
-            timeout_graceful_shutdown=10,
+            # Queries in flight at SIGTERM end within their own time (a 504 at worst),
+            # not cut off with a plain-text 500.
+            timeout_graceful_shutdown=math.ceil(settings.query_timeout) + 2,
         )
     )
     try:

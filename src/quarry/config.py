@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     # The most one query may take, all its calls together: a dependency that hangs
     # (rather than refusing) is then a 504 naming it, not a client held for minutes.
     query_timeout: float = Field(15.0, gt=0)
+    # How long a query waits for the reranker (unless QUARRY_RERANK_REQUIRED) before it
+    # answers from vector scores: a reranker that hangs must not hold every query.
+    rerank_timeout: float = Field(5.0, gt=0)
 
     # Parity gates.
     parity_min_cosine: float = 0.999
