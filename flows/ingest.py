@@ -26,6 +26,7 @@ from quarry.documents import Document
 from quarry.ingest import BatchResult, IndexSync, IngestProgress, IngestReport, run_sync
 from quarry.services import open_services
 from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
+from quarry.store import writer_lock_path
 
 
 # No Prefect retries: the clients own retries of transient failures, and a
@@ -79,14 +80,14 @@ def one_writer(settings: Settings, collection: str) -> Iterator[None]:
         return
     # Local-mode Qdrant admits one process per folder, whatever the collection,
     # so the lock is per data folder: a second ingest waits instead of failing.
-    lock_dir = settings.data_dir / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_dir / "local-qdrant.lock"))
+    lock_path = writer_lock_path(settings)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         logger.warning(
-            "another ingest is writing to local-mode Qdrant in %s; waiting for it to finish",
+            "another ingest or reindex is writing to local-mode Qdrant in %s; waiting for it",
             settings.data_dir,
         )
         lock.acquire()

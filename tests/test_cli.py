@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from quarry.config import Settings
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from tests.conftest import write_corpus
 
@@ -287,6 +288,30 @@ def test_an_option_parser_error_with_json_is_a_json_usage_error_on_stdout(
     result = run(["ingest", "--no-such-flag"], env, timeout=120)
     assert (result.returncode, result.stdout) == (2, "")
     assert "--no-such-flag" in result.stderr
+
+
+def test_an_ingest_meets_local_qdrant_held_by_another_process_before_prefect_starts(
+    tmp_path: Path,
+) -> None:
+    from filelock import FileLock
+    from qdrant_client import QdrantClient
+
+    from quarry.cli import _preflight
+    from quarry.errors import StoreLocked
+    from quarry.store import writer_lock_path
+
+    settings = Settings(data_dir=tmp_path / "d")
+    held = QdrantClient(path=str(settings.qdrant_path))  # as `quarry api` holds it
+    try:
+        with pytest.raises(StoreLocked, match="in use by another quarry process"):
+            _preflight(settings)
+        writer_lock_path(settings).parent.mkdir(parents=True)
+        # Held by another ingest (the writers' lock too): that one is waited for later.
+        with FileLock(str(writer_lock_path(settings))):
+            _preflight(settings)
+    finally:
+        held.close()
+    _preflight(settings)  # free again
 
 
 def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(

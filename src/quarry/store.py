@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -157,6 +158,30 @@ def local_mode_locked(settings: Settings) -> StoreLocked:
         "or run a Qdrant server and set QUARRY_QDRANT_URL so several processes "
         "(an ingest and the API) can share the index.",
     )
+
+
+def writer_lock_path(settings: Settings) -> Path:
+    """The file lock that serialises quarry's writers (ingest, reindex) on local-mode Qdrant."""
+    return settings.data_dir / "locks" / "local-qdrant.lock"
+
+
+def local_store_held(settings: Settings) -> bool:
+    """Whether a process holds local-mode Qdrant's folder right now (the ``.lock`` file
+    qdrant-client locks while a client is open), read without opening the store."""
+    lock_path = settings.qdrant_path / ".lock"
+    if not lock_path.is_file():
+        return False
+    import portalocker  # as qdrant-client does: only where local mode is used
+
+    with open(lock_path, "r+") as handle:
+        try:
+            portalocker.lock(
+                handle, portalocker.LockFlags.EXCLUSIVE | portalocker.LockFlags.NON_BLOCKING
+            )
+        except portalocker.exceptions.LockException:
+            return True
+        portalocker.unlock(handle)
+    return False
 
 
 def tune_local_storage(client: QdrantClient) -> None:
