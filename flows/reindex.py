@@ -78,8 +78,10 @@ def reindex_flow(
             if min_ndcg is not None and ndcg < min_ndcg:
                 raise Refused(
                     f"nDCG@10 {ndcg:.4f} on {eval_dataset} is below --min-ndcg {min_ndcg}; "
-                    "the alias was not switched (the new collection is kept for inspection; "
-                    "`quarry prune --keep 1` removes it, with every collection but the live one)"
+                    "the alias was not switched (the new collection is kept for inspection: "
+                    "`quarry collections` lists it; `quarry prune --keep 2` removes it and "
+                    "keeps the live collection and the one `quarry rollback` returns to, "
+                    "`--keep 1` where there is none)"
                 )
             return result
 

@@ -314,6 +314,18 @@ def test_an_ingest_meets_local_qdrant_held_by_another_process_before_prefect_sta
     _preflight(settings)  # free again
 
 
+def test_reindex_checks_its_eval_dataset_before_building_anything(tmp_path: Path) -> None:
+    not_beir = write_corpus(tmp_path / "notes", {"a.md": "text"})
+    result = run(
+        ["reindex", "--eval", str(not_beir), "--min-ndcg", "0.1", "--json"],
+        {"QUARRY_DATA_DIR": str(tmp_path / "d")},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    error = json.loads(result.stdout)["error"]
+    assert "corpus.jsonl: missing from the BEIR dataset" in error["message"]
+
+
 def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:

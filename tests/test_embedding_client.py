@@ -178,6 +178,34 @@ def test_an_answer_with_no_usable_embedding_is_a_bad_response_naming_the_url() -
     assert URL in str(caught.value) and "docs/a.md" in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (
+            httpx2.Response(200, text="not json", headers={"content-type": "application/json"}),
+            "answer is not JSON: 'not json'",
+        ),
+        (
+            httpx2.Response(200, json={"data": [{"index": "zero", "embedding": [1.0]}]}),
+            "malformed embedding index 'zero'",
+        ),
+        (
+            httpx2.Response(200, json={"data": [{"index": 7, "embedding": [1.0]}]}),
+            "malformed embedding index 7",
+        ),
+    ],
+)
+def test_an_answer_that_is_not_an_embedding_list_is_a_bad_response_naming_the_url(
+    answer: httpx2.Response, said: str
+) -> None:
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        return answer if request.url.path == "/v1/embeddings" else None
+
+    with pytest.raises(BadResponse, match=said) as caught:
+        _client(FakeTEI(script=script)).embed_passages(["a"], documents=["docs/a.md"])
+    assert URL in str(caught.value) and "docs/a.md" in str(caught.value)
+
+
 def test_transient_failures_are_retried_then_succeed() -> None:
     fake = FakeTEI(failures=[429, 503, 424])
     results = _client(fake).embed_passages(["one"])

@@ -185,7 +185,14 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
             lambda store: index.sync(new_model.url, store),
             from_source=[open_source(other)],
         )
-    assert "corpus" in str(caught.value)  # names the source left out
+    assert "corpus (8 of 8)" in str(caught.value)  # names the source left out
+    # However small: a source of 1 in 9 documents, left out, is refused as well.
+    with pytest.raises(MassDeleteRefused, match=r"other \(1 of 1\)"):
+        reindex(
+            index.store,
+            lambda store: index.sync(new_model.url, store),
+            from_source=[open_source(index.corpus)],
+        )
     assert index.store.alias_target() == served
     assert [info.name for info in index.store.collections()] == [served]
     assert new_model.stats.inputs_embedded == 0  # refused before anything was built

@@ -10,7 +10,7 @@ import pytest
 from qdrant_client import models
 
 from quarry.config import Settings
-from quarry.errors import WriteFailed
+from quarry.errors import ConfigError, WriteFailed
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
 from quarry.store import DocState, VectorStore, open_client
 
@@ -43,6 +43,20 @@ def test_two_rebuilds_in_one_second_get_distinct_names(tmp_path: Path) -> None:
         assert all(name.startswith("kb__") for name in names)
     finally:
         store.close()
+
+
+def test_a_physical_collection_given_as_the_alias_is_refused_creating_nothing(
+    tmp_path: Path,
+) -> None:
+    client = open_client(Settings(data_dir=tmp_path, collection="kb"))
+    try:
+        physical = VectorStore(client, "kb").create(_fingerprint(), {})
+        before = {c.name for c in client.get_collections().collections}
+        with pytest.raises(ConfigError, match=r"is a collection, not an alias.*--collection kb"):
+            VectorStore(client, physical).create(_fingerprint(), {})
+        assert {c.name for c in client.get_collections().collections} == before
+    finally:
+        client.close()
 
 
 def test_collections_rank_unit_vectors_by_dot_product_and_queries_at_any_scale(

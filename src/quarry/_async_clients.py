@@ -392,7 +392,12 @@ class AsyncEmbeddingClient:
                     url, error.status_code, error.response.content, error.response.headers
                 )
                 raise
-            return _decode_openai(url, response.http_response.json(), len(texts), (), unit=unit)
+            try:
+                body = response.http_response.json()
+            except ValueError:
+                text = response.http_response.text
+                raise BadResponse(url, f"answer is not JSON: {text!r:.80}") from None
+            return _decode_openai(url, body, len(texts), (), unit=unit)
 
         return await acall_with_retries(policy, url, attempt)
 

@@ -491,6 +491,10 @@ def reindex(
     if (include or exclude) and not from_source:
         _fail("--include and --exclude need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
+        if eval_dir is not None:
+            from quarry.evaluate import load_beir
+
+            load_beir(eval_dir)  # a bad dataset is refused before hours of re-embedding
         _preflight(settings)
     from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
@@ -516,7 +520,7 @@ def reindex(
 
     def human() -> None:
         typer.echo(
-            f"{report['alias']}: {report['previous']} -> {report['collection']} "
+            f"{report['alias']}: {report['previous'] or '(new)'} -> {report['collection']} "
             f"({report['documents']} documents, {report['points']} points, "
             f"{report['model']['model_id']})"
         )

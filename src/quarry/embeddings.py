@@ -623,7 +623,13 @@ class EmbeddingClient:
                     documents=documents,
                 )
                 raise
-            return _decode_openai(url, response.json(), len(texts), documents, unit=unit)
+            try:
+                body = response.json()
+            except ValueError:
+                raise BadResponse(
+                    url, f"answer is not JSON: {response.text!r:.80}", documents=documents
+                ) from None
+            return _decode_openai(url, body, len(texts), documents, unit=unit)
 
         return call_with_retries(self._paced_retry, url, attempt, documents=documents)
 
@@ -664,7 +670,9 @@ def _decode_openai(
     for position, item in enumerate(data):
         if not isinstance(item, dict):
             raise BadResponse(url, f"malformed embedding item {item!r:.80}", documents=documents)
-        index = int(item.get("index", position))
+        index = item.get("index", position)
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < expected:
+            raise BadResponse(url, f"malformed embedding index {index!r:.40}", documents=documents)
         embedding = item.get("embedding")
         if isinstance(embedding, str):
             try:

@@ -9,6 +9,7 @@ kept for :func:`rollback` until pruned.
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -240,10 +241,11 @@ def reindex(
     # new one is built beside it.
     served = store.index_state() if previous is not None else {}
     if from_source and previous is not None and not allow_mass_delete:
-        # Documents of a source not given are lost for certain: refuse before building.
+        # Documents of a source not given are lost for certain: refuse before building,
+        # however small the source.
         given = {spec.name for spec in from_source}
-        lost = [state for state in served.values() if state.uri.split("/", 1)[0] not in given]
-        _refuse_lost(store.alias, "the sources given", lost, len(served), max_delete_fraction)
+        lost = [state for state in served.values() if _source_of(state) not in given]
+        _refuse_lost(store.alias, "the sources given", lost, served, 0.0)
     probe = make_sync(store)
     live: Fingerprint = read_fingerprint(probe.embedder)
     chunking: Mapping[str, Any] = probe.settings
@@ -441,21 +443,32 @@ def _guard_lost_documents(
     kept = target.index_state().keys()
     lost = [state for doc_id, state in served.items() if doc_id not in kept]
     what = f"the new collection {target.resolve()} (dropped)"
-    _refuse_lost(alias, what, lost, len(served), fraction)
+    _refuse_lost(alias, what, lost, served, fraction)
+
+
+def _source_of(state: DocState) -> str:
+    return state.uri.split("/", 1)[0]
 
 
 def _refuse_lost(
-    alias: str, what: str, lost: Sequence[DocState], served: int, fraction: float
+    alias: str, what: str, lost: Sequence[DocState], served: Mapping[str, DocState], fraction: float
 ) -> None:
-    if not served or len(lost) / served <= fraction:
+    """Refuse when some source would lose more than ``fraction`` of its documents (as an
+    ingest's guard does, per source: a small source dropped whole counts)."""
+    per_source = collections.Counter(_source_of(state) for state in served.values())
+    lost_per_source = collections.Counter(_source_of(state) for state in lost)
+    over = sorted(name for name, n in lost_per_source.items() if n / per_source[name] > fraction)
+    if not over:
         return
-    sources = sorted({state.uri.split("/", 1)[0] for state in lost})
+    shown = ", ".join(
+        f"{name} ({lost_per_source[name]} of {per_source[name]})" for name in over[:5]
+    )
     raise MassDeleteRefused(
-        f"{what} would leave out {len(lost)} of the {served} documents {alias!r} serves "
-        f"({len(lost) / served:.0%} > QUARRY_MAX_DELETE_FRACTION={fraction:.0%}; sources: "
-        f"{', '.join(sources[:5])}). Give --from-source every source, with the "
-        "--include/--exclude globs they were ingested with, or rerun with "
-        "--allow-mass-delete if this is intended. The alias was not switched."
+        f"{what} would leave out {len(lost)} of the {len(served)} documents {alias!r} "
+        f"serves; sources losing more than QUARRY_MAX_DELETE_FRACTION={fraction:.0%}: "
+        f"{shown}{', ...' if len(over) > 5 else ''}. Give --from-source every source "
+        "(repeat the option), with the --include/--exclude globs they were ingested with, "
+        "or rerun with --allow-mass-delete if this is intended. The alias was not switched."
     )
 
 

@@ -31,7 +31,7 @@ from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings, make_data_folder
 from quarry.documents import FileStamp
-from quarry.errors import StoreError, StoreLocked, WriteFailed
+from quarry.errors import ConfigError, StoreError, StoreLocked, WriteFailed
 from quarry.fingerprint import Fingerprint
 
 
@@ -356,9 +356,24 @@ class VectorStore:
         self.client.update_collection_aliases(change_aliases_operations=operations)
 
     def create(self, fingerprint: Fingerprint, chunking: Mapping[str, Any]) -> str:
-        """Create the first physical collection and point the alias at it."""
+        """Create the first physical collection and point the alias at it.
+
+        ConfigError when the alias's name is taken by a collection (a physical
+        collection's name given as the alias): nothing is created.
+        """
+        if self.client.collection_exists(self.alias):
+            owner = self.alias.split("__", 1)[0]
+            hint = f"; pass its alias (--collection {owner})" if owner != self.alias else ""
+            raise ConfigError(
+                f"{self.alias!r} is a collection, not an alias: quarry reads and writes "
+                f"through an alias (--collection or QUARRY_COLLECTION){hint}"
+            )
         physical = self.create_physical(fingerprint, chunking)
-        self.point_alias(physical)
+        try:
+            self.point_alias(physical)
+        except BaseException:
+            self.client.delete_collection(physical)  # no orphan left behind
+            raise
         return physical
 
     def metadata(self, physical: str | None = None) -> dict[str, Any]:
