@@ -51,7 +51,14 @@ class ModelIdentity:
     def describe(self) -> str:
         """One line naming the model for error messages."""
         revision = f"@{self.model_sha[:10]}" if self.model_sha else ""
-        return f"{self.model_id}{revision} ({self.dimensions}d, {self.profile}, key {self.key})"
+        # Every part of the key is named, so two models that differ only in pooling or
+        # normalisation do not read the same in a refusal.
+        pooling = f"{self.pooling} pooling, " if self.pooling else ""
+        scale = "normalized" if self.normalized else "not normalized"
+        return (
+            f"{self.model_id}{revision} ({self.dimensions}d, {pooling}{scale}, "
+            f"profile {self.profile}, key {self.key})"
+        )
 
 
 # Every point an ingest writes carries the key: hash the (frozen) identity once.
