@@ -213,6 +213,30 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
     assert report.switched and report.documents == 1
 
 
+def test_a_canary_that_drifts_during_the_reindex_drops_the_build_and_blames_the_service(
+    index: Index, new_model: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import quarry.ingest
+    from quarry.errors import StoreError
+
+    index.ingest(new_model.url)
+    served = index.store.alias_target()
+    real = quarry.ingest.read_fingerprint
+
+    def drifting(embedder: Any) -> Any:  # a service that is not deterministic
+        live = real(embedder)
+        return dataclasses.replace(live, canary=[-x for x in live.canary])
+
+    monkeypatch.setattr(quarry.ingest, "read_fingerprint", drifting)
+    with pytest.raises(StoreError, match="not deterministic or changed during the reindex") as e:
+        reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert "quarry reindex" not in str(e.value)  # not the advice to run what is running
+    assert index.store.alias_target() == served
+    assert [info.name for info in index.store.collections()] == [served]
+
+
 def test_a_half_written_document_is_carried_for_the_next_ingest_to_mend(
     index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
 ) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from qdrant_client import models
 
 from quarry.documents import Chunk, Document
-from quarry.errors import MassDeleteRefused, Refused, StoreError
+from quarry.errors import CanaryMismatch, MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
 from quarry.ingest import (
     Failure,
@@ -263,18 +263,28 @@ def reindex(
     target = store.view(physical)
     gate_refused = False
     try:
-        report = _build(
-            store,
-            target,
-            previous,
-            served,
-            make_sync,
-            live,
-            from_source,
-            max_file_bytes,
-            progress,
-            rekey,
-        )
+        try:
+            report = _build(
+                store,
+                target,
+                previous,
+                served,
+                make_sync,
+                live,
+                from_source,
+                max_file_bytes,
+                progress,
+                rekey,
+            )
+        except CanaryMismatch as error:
+            # The canary compared is the one this build recorded at its start.
+            raise StoreError(
+                store.alias,
+                f"new collection {physical}: the canary text embedded differently during "
+                "the reindex than at its start; the embedding service is not deterministic "
+                "or changed during the reindex; the alias was not switched and the "
+                "collection is dropped",
+            ) from error
         if previous is not None and not allow_mass_delete:
             _guard_lost_documents(store.alias, served, target, max_delete_fraction)
         if gate is not None:
