@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -33,7 +33,12 @@ def configure_prefect_environment(data_dir: Path) -> None:
 
 
 @contextmanager
-def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Iterator[None]:
+def embedded_flow_runs(
+    interrupted: str = "",
+    *,
+    clean_up_s: float = 0.0,
+    on_stop: Callable[[int, str], None] | None = None,
+) -> Iterator[None]:
     """Run flows in this block as an embedded Prefect suits: no heartbeats, and Ctrl-C
     stops the process at once (saying ``interrupted``, exit 130), or, with
     ``clean_up_s``, after at most that long for the run's own clean-up.
@@ -64,25 +69,36 @@ def embedded_flow_runs(interrupted: str = "", *, clean_up_s: float = 0.0) -> Ite
         _filter_once("EventsWorker", _NoDrainNotice)
         with (
             temporary_settings(updates={"flows.heartbeat_frequency": None}),
-            _stop_on_signals(interrupted, clean_up_s),
+            _stop_on_signals(interrupted, clean_up_s, on_stop),
         ):
             yield
 
 
 @contextmanager
-def _stop_on_signals(note: str, clean_up_s: float) -> Iterator[None]:
+def _stop_on_signals(
+    note: str, clean_up_s: float, on_stop: Callable[[int, str], None] | None = None
+) -> Iterator[None]:
     """Ctrl-C (SIGINT) and SIGTERM (``kill``, systemd, cron's timeouts) both stop the run
     so: Python's default for SIGTERM ends the process at once and left Prefect's
-    temporary server running, orphaned. Exit status 128 + the signal's number."""
+    temporary server running, orphaned. Exit status 128 + the signal's number;
+    ``on_stop(status, message)`` is called once before the process ends so."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
     said = f"interrupted{': ' + note if note else ''}"
     received: list[int] = []  # the signal a clean-up started on
+    told: list[int] = []
+
+    def tell(code: int) -> None:
+        if on_stop is not None and not told:
+            told.append(code)
+            on_stop(code, said)
 
     def exit_now(code: int) -> None:
         sys.stderr.write(f"\n{said}\n")
         sys.stderr.flush()
+        tell(code)
+        sys.stdout.flush()
         _stop_embedded_prefect_server()
         os._exit(code)
 
@@ -106,6 +122,7 @@ def _stop_on_signals(note: str, clean_up_s: float) -> Iterator[None]:
     except KeyboardInterrupt:
         # Cleaned up: the exit status still says which signal stopped the run (the
         # command line turns a KeyboardInterrupt into 130, SIGINT's).
+        tell(128 + (received[0] if received else signal.SIGINT))
         if received and received[0] != signal.SIGINT:
             raise SystemExit(128 + received[0]) from None
         raise

@@ -417,8 +417,9 @@ def ctrl_c_when(
     whole_group: bool = True,
 ) -> str:
     """Run quarry in embedded Prefect mode as a terminal does, send the whole process
-    group (or quarry alone) ``sig`` once ``marker`` shows on stderr, and return stderr;
-    asserts exit 128 + ``sig`` and that no process of the group is left."""
+    group (or quarry alone) ``sig`` once ``marker`` shows on stderr, and return stderr
+    (stdout goes to ``log`` with the suffix ``.out``); asserts exit 128 + ``sig`` and
+    that no process of the group is left."""
     embedded = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
     with log.open("w") as stderr:
         # A session of its own: the terminal's Ctrl-C reaches the whole process
@@ -426,7 +427,7 @@ def ctrl_c_when(
         process = subprocess.Popen(
             [*QUARRY, *args],
             env={**embedded, **env},
-            stdout=subprocess.DEVNULL,
+            stdout=log.with_suffix(".out").open("w"),
             stderr=stderr,
             start_new_session=True,
         )
@@ -491,7 +492,7 @@ def test_sigterm_to_an_embedded_ingest_stops_prefects_server_too(
         env = {"QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": slow.url}
         # As `kill PID`, systemd or a scheduler stops a job: quarry alone gets the signal.
         said = ctrl_c_when(
-            ["ingest", str(corpus)],
+            ["ingest", str(corpus), "--json"],
             env,
             "Finished in state Completed",
             tmp_path / "err",
@@ -499,6 +500,10 @@ def test_sigterm_to_an_embedded_ingest_stops_prefects_server_too(
             whole_group=False,
         )
     assert "interrupted: a rerun picks up where this one stopped" in said
+    # A script reading --json's stdout learns why the run ended.
+    error = json.loads((tmp_path / "err.out").read_text())["error"]
+    assert (error["type"], error["exit_code"]) == ("interrupted", 143)
+    assert "a rerun picks up where this one stopped" in error["message"]
 
 
 def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
@@ -511,8 +516,10 @@ def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
     before = json.loads(run(["collections", "--json"], served).stdout)
     with LocalTEIServer(SLOW_TEI) as slow:  # the same model, served slowly
         env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url}
-        said = ctrl_c_when(["reindex"], env, "re-embedded", tmp_path / "err")
+        said = ctrl_c_when(["reindex", "--json"], env, "re-embedded", tmp_path / "err")
     assert "interrupted" in said
+    error = json.loads((tmp_path / "err.out").read_text())["error"]
+    assert (error["type"], error["exit_code"]) == ("interrupted", 130)
     # The half-built collection was dropped; the alias still points where it did.
     assert json.loads(run(["collections", "--json"], served).stdout) == before
 

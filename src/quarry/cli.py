@@ -49,12 +49,24 @@ CollectionOption = Annotated[
 # Set by main() when the command line asks for --json: a failure is then a JSON object
 # on stdout too, so a script that parses stdout learns why the run failed.
 _json_errors = False
-_ERROR_KINDS = {EXIT_FAILED: "failed", EXIT_USAGE: "usage", EXIT_REFUSED: "refused"}
+_ERROR_KINDS = {
+    EXIT_FAILED: "failed",
+    EXIT_USAGE: "usage",
+    EXIT_REFUSED: "refused",
+    130: "interrupted",  # SIGINT (Ctrl-C)
+    143: "interrupted",  # SIGTERM
+}
 
 
 def _echo_json_error(message: str, code: int) -> None:
     error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
     typer.echo(json.dumps({"error": error}))
+
+
+def _json_when_stopped(code: int, message: str) -> None:
+    """An ingest or reindex stopped by a signal: with --json, say so on stdout too."""
+    if _json_errors:
+        _echo_json_error(message, code)
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -223,7 +235,11 @@ def ingest(
         configure_prefect_environment(settings.data_dir)
     quiet_quarry_tracebacks()
     stopped = "a rerun picks up where this one stopped (nothing is lost or written twice)"
-    with _errors_to_exit_codes(), _ingest_progress(), embedded_flow_runs(stopped):
+    with (
+        _errors_to_exit_codes(),
+        _ingest_progress(),
+        embedded_flow_runs(stopped, on_stop=_json_when_stopped),
+    ):
         from flows.ingest import ingest_flow
 
         summary = ingest_flow(
@@ -505,7 +521,10 @@ def reindex(
         "the alias moves only to a complete, verified collection, and an unfinished one "
         "is dropped; `quarry collections` shows where it points"
     )
-    with _errors_to_exit_codes(), embedded_flow_runs(stopped, clean_up_s=10.0):
+    with (
+        _errors_to_exit_codes(),
+        embedded_flow_runs(stopped, clean_up_s=10.0, on_stop=_json_when_stopped),
+    ):
         from flows.reindex import reindex_flow
 
         report = reindex_flow(
