@@ -119,13 +119,22 @@ def test_reindex_from_source_rechunks(
     index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
 ) -> None:
     index.ingest(old_model.url)
+    said: list[str] = []
     report = reindex(
         index.store,
         lambda store: index.sync(new_model.url, store),
         from_source=[open_source(index.corpus)],
+        progress=said.append,
     )
     assert report.documents == len(CORPUS)
     assert report.switched
+    # How far it got, with the total: at once, then at most every PROGRESS_SECONDS.
+    n = len(CORPUS)
+    assert f"0 of {n} files done; embedded 0 documents (0 chunks)" in said
+    assert f"embedded {n} documents ({report.points} chunks); verifying" in said
+    said.clear()
+    reindex(index.store, lambda store: index.sync(old_model.url, store), progress=said.append)
+    assert any(line.startswith(f"re-embedded {n} of {n} documents") for line in said), said
 
 
 def test_prune_keeps_the_live_collection_and_the_newest(

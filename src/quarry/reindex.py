@@ -10,7 +10,9 @@ kept for :func:`rollback` until pruned.
 from __future__ import annotations
 
 import collections
+import math
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -338,6 +340,7 @@ def _build(
     interrupted: list[str] = []
     chunkings: dict[str, str | None] = {}
     unloaded: list[Failure] = []
+    due = _every(PROGRESS_SECONDS)
     if from_source:
         ingest = run_sync(
             sync,
@@ -345,6 +348,7 @@ def _build(
             full_sync=True,
             max_file_bytes=max_file_bytes,
             load_failures=unloaded,
+            progress=lambda state: progress(state.describe()) if due() else None,
         )
     else:
         sync.prepare(ingest)
@@ -353,7 +357,15 @@ def _build(
         )
         for group in groups:
             ingest.add(sync.write_chunked(group, chunkings))
-            progress(f"re-embedded {ingest.documents_embedded} documents")
+            if due():
+                progress(
+                    f"re-embedded {ingest.documents_embedded:,} of {len(served):,} documents "
+                    f"({ingest.chunks_embedded:,} chunks)"
+                )
+    progress(
+        f"embedded {ingest.documents_embedded:,} documents ({ingest.chunks_embedded:,} chunks); "
+        "verifying"
+    )
     report.documents = ingest.documents_embedded
     report.points = ingest.chunks_embedded
     report.failures = [{"uri": f.uri, "error": f.error} for f in ingest.failures]
@@ -385,6 +397,26 @@ def _build(
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
     return report
+
+
+PROGRESS_SECONDS = 30.0
+"""A long build says how far it has got at most this often (and once at its start)."""
+
+
+def _every(seconds: float) -> Callable[[], bool]:
+    """A gate that is open on its first call, then once ``seconds`` have passed since
+    it last opened."""
+    last = -math.inf
+
+    def due() -> bool:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < seconds:
+            return False
+        last = now
+        return True
+
+    return due
 
 
 def _rekey_headings(known: Sequence[Mapping[str, Any]], embed_headings: bool) -> dict[str, str]:
