@@ -639,23 +639,32 @@ def _poll(app: TestClient, body: dict[str, Any], status: int, seconds: float = 1
         time.sleep(0.05)
 
 
-def test_a_model_swapped_behind_the_url_is_refused_within_the_recheck(
-    make_app: AppFactory,
-) -> None:
+SWAP_QUERY = {"query": "gamma rays", "rerank": False}
+
+
+def _answered_then_stopped(
+    make_app: AppFactory, **overrides: Any
+) -> tuple[TestClient, LocalTEIConfig, LocalTEIConfig]:
+    """An app that answered a query from a service now stopped; (app, that service's
+    config, the config of another model on the same port)."""
     port = _free_port()
     same = LocalTEIConfig(backend="hash", dims=32, port=port)
     other = LocalTEIConfig(backend="hash", dims=32, seed=7, port=port)
-    body = {"query": "gamma rays", "rerank": False}
-    with ExitStack() as stack:
-        server = stack.enter_context(LocalTEIServer(same))
-        app = make_app(embed_url=server.url, fingerprint_recheck_seconds=0.2)
-        assert query(app, body).status_code == 200
-        stack.close()
-        with LocalTEIServer(other):
-            assert_error(_poll(app, body, 409), 409, "fingerprint_mismatch")
-        with LocalTEIServer(same):
-            # The model is back: queries are answered again without a /readyz.
-            assert _poll(app, body, 200).status_code == 200
+    with LocalTEIServer(same) as server:
+        app = make_app(embed_url=server.url, **overrides)
+        assert query(app, SWAP_QUERY).status_code == 200
+    return app, same, other
+
+
+def test_a_model_swapped_behind_the_url_is_refused_within_the_recheck(
+    make_app: AppFactory,
+) -> None:
+    app, same, other = _answered_then_stopped(make_app, fingerprint_recheck_seconds=0.2)
+    with LocalTEIServer(other):
+        assert_error(_poll(app, SWAP_QUERY, 409), 409, "fingerprint_mismatch")
+    with LocalTEIServer(same):
+        # The model is back: queries are answered again without a /readyz.
+        assert _poll(app, SWAP_QUERY, 200).status_code == 200
 
 
 def test_a_model_swapped_in_a_restart_is_refused_at_the_first_query_after_it(
@@ -664,37 +673,22 @@ def test_a_model_swapped_in_a_restart_is_refused_at_the_first_query_after_it(
     import quarry.api as api
 
     monkeypatch.setattr(api, "EMBED_COOLDOWN_S", 0.0)
-    port = _free_port()
-    same = LocalTEIConfig(backend="hash", dims=32, port=port)
-    other = LocalTEIConfig(backend="hash", dims=32, seed=7, port=port)
-    body = {"query": "gamma rays", "rerank": False}
-    with ExitStack() as stack:
-        server = stack.enter_context(LocalTEIServer(same))
-        # No recheck comes due in this test: what refuses is the outage seen meanwhile.
-        app = make_app(embed_url=server.url, fingerprint_recheck_seconds=3600)
-        assert query(app, body).status_code == 200
-        stack.close()
-        assert_error(query(app, body), 503, "dependency_unavailable")  # restarting
-        with LocalTEIServer(other):
-            error = assert_error(query(app, body), 409, "fingerprint_mismatch")
-            assert "@72d2634102" in error["message"]  # the model now served
+    # No recheck comes due in this test: what refuses is the outage seen meanwhile.
+    app, _, other = _answered_then_stopped(make_app, fingerprint_recheck_seconds=3600)
+    assert_error(query(app, SWAP_QUERY), 503, "dependency_unavailable")  # restarting
+    with LocalTEIServer(other):
+        error = assert_error(query(app, SWAP_QUERY), 409, "fingerprint_mismatch")
+        assert "@72d2634102" in error["message"]  # the model now served
 
 
 def test_after_an_idle_spell_the_first_query_judges_the_model_before_answering(
     make_app: AppFactory,
 ) -> None:
-    port = _free_port()
-    same = LocalTEIConfig(backend="hash", dims=32, port=port)
-    other = LocalTEIConfig(backend="hash", dims=32, seed=7, port=port)
-    body = {"query": "gamma rays", "rerank": False}
-    with ExitStack() as stack:
-        server = stack.enter_context(LocalTEIServer(same))
-        app = make_app(embed_url=server.url, fingerprint_recheck_seconds=0.1)
-        assert query(app, body).status_code == 200
-        stack.close()  # swapped while no query came: no outage was seen
-        with LocalTEIServer(other):
-            time.sleep(0.25)  # more than two rechecks: the verdict is too old to answer under
-            assert_error(query(app, body), 409, "fingerprint_mismatch")
+    # Swapped while no query came: no outage was seen.
+    app, _, other = _answered_then_stopped(make_app, fingerprint_recheck_seconds=0.1)
+    with LocalTEIServer(other):
+        time.sleep(0.25)  # more than two rechecks: the verdict is too old to answer under
+        assert_error(query(app, SWAP_QUERY), 409, "fingerprint_mismatch")
 
 
 def test_a_query_vector_of_another_size_is_never_searched_with(
