@@ -206,6 +206,24 @@ def test_an_answer_that_is_not_an_embedding_list_is_a_bad_response_naming_the_ur
     assert URL in str(caught.value) and "docs/a.md" in str(caught.value)
 
 
+def test_a_spent_retry_budget_says_how_many_attempts_in_how_long() -> None:
+    from quarry._http import RetryPolicy, TransientFailure, call_with_retries
+
+    calls = []
+
+    def attempt() -> None:
+        calls.append(1)
+        # A Retry-After past the budget: no retry at all, and the message says so.
+        raise TransientFailure(URL, "HTTP 503: busy", status=503, retry_after=60.0)
+
+    with pytest.raises(ServiceUnavailable) as caught:
+        call_with_retries(RetryPolicy(budget=5.0), URL, attempt)
+    assert len(calls) == 1
+    said = str(caught.value)
+    assert "still failing after 1 attempt in 0.0s (retry budget 5s)" in said
+    assert said.endswith("HTTP 503: busy")
+
+
 def test_transient_failures_are_retried_then_succeed() -> None:
     fake = FakeTEI(failures=[429, 503, 424])
     results = _client(fake).embed_passages(["one"])

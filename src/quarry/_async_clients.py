@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
@@ -28,7 +29,13 @@ import openai
 import tenacity
 from qdrant_client import AsyncQdrantClient, QdrantClient, models
 
-from quarry._http import RetryPolicy, TransientFailure, async_http_client, raise_for_status
+from quarry._http import (
+    RetryPolicy,
+    TransientFailure,
+    async_http_client,
+    gave_up,
+    raise_for_status,
+)
 from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
 from quarry.embeddings import (
     DEFAULT_BATCH_SIZE,
@@ -158,12 +165,14 @@ async def acall_with_retries(
     documents: Sequence[str] = (),
 ) -> T:
     """Await ``attempt`` under ``policy``; a spent budget raises ServiceUnavailable for the url."""
+    retrying = async_retrying(policy)
+    started = time.monotonic()
     try:
-        return await async_retrying(policy)(attempt)
+        return await retrying(attempt)
     except TransientFailure as error:
         raise ServiceUnavailable(
             url,
-            f"still failing after retrying for {policy.budget:g}s: {error.args[0]}",
+            gave_up(policy, retrying.statistics, started, error),
             status=error.status,
             documents=documents,
         ) from error

@@ -13,7 +13,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -241,17 +241,32 @@ def call_with_retries(
     policy: RetryPolicy, url: str, attempt: Callable[[], T], *, documents: Sequence[str] = ()
 ) -> T:
     """Run ``attempt`` under ``policy``; a spent budget raises ServiceUnavailable for the url."""
+    retrying = policy.retrying()
+    started = time.monotonic()
     try:
-        return policy.retrying()(attempt)
+        return retrying(attempt)
     except TransientFailure as error:
         if error.timed_out and not policy.retry_timeouts:
             raise  # the caller sends it again, or says why not
         raise ServiceUnavailable(
             url,
-            f"still failing after retrying for {policy.budget:g}s: {error.args[0]}",
+            gave_up(policy, retrying.statistics, started, error),
             status=error.status,
             documents=documents,
         ) from error
+
+
+def gave_up(
+    policy: RetryPolicy, statistics: Mapping[str, Any], started: float, error: BaseException
+) -> str:
+    """What a request that ran out of retries says: the attempts and time it really took
+    (a Retry-After past the budget stops at once), then its last failure."""
+    tries = int(statistics.get("attempt_number", 1))
+    spent = time.monotonic() - started
+    return (
+        f"still failing after {tries} attempt{'s' if tries != 1 else ''} in {spent:.1f}s "
+        f"(retry budget {policy.budget:g}s): {error.args[0]}"
+    )
 
 
 def answer_late(error: BaseException | None) -> bool:
@@ -331,6 +346,7 @@ __all__ = [
     "answer_late",
     "call_with_retries",
     "error_message",
+    "gave_up",
     "raise_for_status",
     "request_json",
     "send",

@@ -1493,8 +1493,8 @@ _ERR_503 = _error_response(
     "A dependency is down (named in `dependency`), or the index does not exist yet.",
     {
         "type": "dependency_unavailable",
-        "message": "embedding service unavailable: still failing after retrying for 5s: "
-        "cannot connect: [Errno 111] Connection refused",
+        "message": "embedding service unavailable: still failing after 6 attempts in 5.0s "
+        "(retry budget 5s): cannot connect: [Errno 111] Connection refused",
         "request_id": "5f0c2e0c9b4d4c4f8f3b3c1f0e0a9d11",
         "dependency": "embedding service",
     },
