@@ -366,6 +366,17 @@ def test_malformed_json_is_a_422(app: TestClient) -> None:
     assert_error(response, 422, "invalid_request")
 
 
+def test_a_json_body_sent_as_a_form_is_told_to_say_json(app: TestClient) -> None:
+    # curl -d '{"query": "x"}' sends application/x-www-form-urlencoded.
+    form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+    response = app.post("/v1/query", content=b'{"query": "gamma"}', headers=form)
+    error = assert_error(response, 422, "invalid_request")
+    assert (
+        "Content-Type: application/json (not application/x-www-form-urlencoded)"
+        in (error["message"])
+    )
+
+
 def test_query_over_max_query_tokens_is_refused_unless_truncated(make_app: AppFactory) -> None:
     app = make_app(max_query_tokens=8)
     long_query = "gamma rays are energetic photons from radioactive decay of nuclei in stars"

@@ -456,10 +456,17 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     ]
     first = details[0] if details else {"loc": [], "msg": "invalid request"}
     where = ".".join(part for part in first["loc"] if part != "body") or "body"
+    message = f"{where}: {first['msg']}"
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if where == "body" and media_type != "application/json":
+        # FastAPI reads a body sent as another type (curl -d's form type) as no JSON at all.
+        message += (
+            f"; send it as JSON, with Content-Type: application/json (not {media_type or 'none'})"
+        )
     return error_body(
         422,
         "invalid_request",
-        f"{where}: {first['msg']}",
+        message,
         _request_id(request),
         details=details,
     )
@@ -725,12 +732,14 @@ class _Outage:
         (a one-attempt probe): the next caller may ask."""
         self._trial_since = None
 
-    def timed_out(self, error: ServiceUnavailable, started: float) -> None:
-        """A call begun at ``started`` had no answer in its query's time: down, unless
-        the dependency answered other calls meanwhile (busy: the call waited its turn,
-        or the query's time went elsewhere)."""
+    def timed_out(self, error: ServiceUnavailable, started: float) -> bool:
+        """A call begun at ``started`` had no answer in its query's time: down (True),
+        unless the dependency answered other calls meanwhile (busy: the call waited its
+        turn, or the query's time went elsewhere)."""
         if self._answered < started:
             self.failed(error)
+            return True
+        return False
 
 
 class QueryService:
@@ -880,8 +889,9 @@ class QueryService:
             return await self._call(_EMBEDDING, guarded(), query_input=query_input)
         except ApiError as error:
             if error.status == 504 and retry is None:  # hung: as good as down
-                self._seen_down = True
-                self._embedding_outage.timed_out(self._no_answer(self.embedder.base_url), started)
+                hung = self._no_answer(self.embedder.base_url)
+                if self._embedding_outage.timed_out(hung, started):
+                    self._seen_down = True
             raise
 
     async def _stored(self) -> _Stored:
