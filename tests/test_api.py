@@ -702,6 +702,26 @@ def test_after_an_idle_spell_the_first_query_judges_the_model_before_answering(
         assert_error(query(app, SWAP_QUERY), 409, "fingerprint_mismatch")
 
 
+def test_a_restart_that_a_querys_retries_span_is_judged_before_answering(
+    make_app: AppFactory,
+) -> None:
+    import threading
+
+    # Down for a moment only: the query's own retries reach the service back up, as
+    # another model. Neither that query nor the next may answer from it.
+    app, _, other = _answered_then_stopped(
+        make_app, fingerprint_recheck_seconds=3600, retry_budget=5.0
+    )
+    spanning: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: spanning.update(r=query(app, SWAP_QUERY)))
+    thread.start()
+    time.sleep(1.0)
+    with LocalTEIServer(other):
+        thread.join()
+        assert_error(spanning["r"], 409, "fingerprint_mismatch")
+        assert_error(query(app, SWAP_QUERY), 409, "fingerprint_mismatch")
+
+
 def test_a_query_vector_of_another_size_is_never_searched_with(
     make_app: AppFactory, tmp_path: Path
 ) -> None:
@@ -1014,6 +1034,28 @@ def test_after_a_cooldown_one_query_at_a_time_asks_the_dependency_again(
     outage.recovered()
     outage.check()
     outage.check()
+
+
+def test_a_reranker_back_after_its_cooldown_is_trusted_once_it_answers_even_a_refusal(
+    make_app: AppFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quarry.api as api
+
+    monkeypatch.setattr(api, "RERANK_COOLDOWN_S", 0.3)
+    port = _free_port()
+    app = make_app(rerank_url=f"http://127.0.0.1:{port}", rerank_required=True)
+    assert_error(query(app, {"query": "gamma rays"}), 503, "dependency_unavailable")
+    config = LocalTEIConfig(backend="hash", dims=32, max_input_length=128, port=port)
+    with LocalTEIServer(config):
+        time.sleep(0.4)  # the cooldown is over: the next query asks it again
+        long_query = " ".join(["gamma", "rays", "photons", "decay"] * 40)
+        assert 128 < count_tokens(long_query) < 512
+        # Its first answer is a refusal (too long beside the passages): it is up, and
+        # the same query's cut retry is not refused as "another query is asking".
+        cut = query(app, {"query": long_query, "truncate": True})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["reranked"] is True
+        assert query(app, {"query": "gamma rays"}).status_code == 200
 
 
 def test_a_refused_reranker_fails_readiness_at_once_not_after_the_retry_budget(

@@ -133,6 +133,30 @@ def test_progress_counts_files_with_a_pdf_s_pages_as_one_file(harness: Harness) 
     assert states[-1] == IngestProgress(5, 5, 0, 0, 0)
 
 
+def test_progress_never_goes_backwards_when_a_pdf_spans_batches(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import quarry.ingest
+
+    monkeypatch.setattr(quarry.ingest, "BATCH_DOCUMENTS", 1)  # a batch per document
+    manuals = tmp_path / "manuals"
+    manuals.mkdir()
+    (manuals / "big.pdf").write_bytes(make_pdf([f"page {n} text" for n in range(8)]))
+    store = VectorStore(open_client(harness.settings), "test")
+    embedder = EmbeddingClient(harness.url, retry=NO_WAIT)
+    sync = IndexSync(store, embedder, Chunker(64, 8), max_delete_fraction=0.3)
+    states: list[IngestProgress] = []
+    try:
+        sources = [open_source(harness.root), open_source(manuals)]
+        run_sync(sync, sources, progress=states.append)
+    finally:
+        store.close()
+        embedder.close()
+    done = [state.files_done for state in states]
+    assert done == sorted(done), done
+    assert states[-1].files_done == states[-1].files_found == 5
+
+
 def test_touching_a_file_re_embeds_nothing(harness: Harness) -> None:
     harness.run()
     path = harness.root / "alpha.md"

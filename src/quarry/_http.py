@@ -14,7 +14,7 @@ import random
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx2
@@ -100,6 +100,11 @@ class RetryPolicy:
     # False: a timed-out attempt is raised at once, for a caller that paces its
     # requests (quarry._pacing) to send again at a lower depth.
     retry_timeouts: bool = True
+    # Told of each failed attempt about to be retried (the query API notes a service
+    # that was down even when a retry then reached it).
+    on_retry: Callable[[BaseException | None], None] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def retrying(self) -> tenacity.Retrying:
         """A tenacity controller for one logical request."""
@@ -123,10 +128,12 @@ class RetryPolicy:
     def announce_retry(self, state: tenacity.RetryCallState) -> None:
         """Say once per request, on its first retry, that it is waiting and for how long:
         a service that is down would otherwise hold a command silent for the whole budget."""
-        if state.attempt_number != 1 or self.budget <= 0:
-            return
         outcome = state.outcome
         error = outcome.exception() if outcome is not None else None
+        if self.on_retry is not None:
+            self.on_retry(error)
+        if state.attempt_number != 1 or self.budget <= 0:
+            return
         logger.warning(
             "%s; retrying for up to %gs (QUARRY_RETRY_BUDGET)",
             error if error is not None else "request failed",

@@ -357,6 +357,11 @@ class _NoAnswer(ServiceUnavailable):
         self.reason = message  # for the client: without the url (which may be "")
 
 
+def _says_down(error: ServiceError) -> bool:
+    """A failure that says the service is unreachable or down (not busy, not this input)."""
+    return getattr(error, "status", None) in (None, 502, 503, 504)
+
+
 def _dependency_down(dependency: str, error: BaseException) -> ApiError:
     reason = error.reason if isinstance(error, _NoAnswer) else _reason(error)
     logger.warning(
@@ -770,7 +775,9 @@ class QueryService:
             retry_policy(settings), budget=min(settings.retry_budget, QUERY_RERANK_RETRY_S)
         )
         self._embed_retry = dataclasses.replace(
-            retry_policy(settings), budget=min(settings.retry_budget, QUERY_EMBED_RETRY_S)
+            retry_policy(settings),
+            budget=min(settings.retry_budget, QUERY_EMBED_RETRY_S),
+            on_retry=self._retried_embedding,
         )
 
     # -- the fingerprint verdict, cached ---------------------------------------------------
@@ -809,6 +816,16 @@ class QueryService:
                 raise _refusal(self._refused.kind(self._refused.message))
             assert self._verified is not None
             return self._verified
+
+    def _retried_embedding(self, error: BaseException | None) -> None:
+        """A query's embedding attempt failed and is retried: a service down even for a
+        moment (restarting) may answer the retry as another model."""
+        if (
+            isinstance(error, ServiceError)
+            and _says_down(error)
+            and not getattr(error, "timed_out", False)  # slow, not gone
+        ):
+            self._seen_down = True
 
     def _must_rejudge(self) -> bool:
         age = time.monotonic() - self._judged_at
@@ -874,12 +891,18 @@ class QueryService:
             try:
                 answer = await request(retry=retry or self._embed_retry)
             except ServiceUnavailable as error:
-                if error.status in (None, 502, 503, 504):
+                if _says_down(error):
                     self._seen_down = True
                 if retry is None:
                     self._embedding_outage.failed(error)
                 else:
                     self._embedding_outage.abandoned()
+                raise
+            except ServiceError:  # it answered: a refusal of this input, or nonsense
+                self._embedding_outage.recovered()
+                raise
+            except BaseException:  # cancelled (the query's time ran out): says nothing
+                self._embedding_outage.abandoned()
                 raise
             self._embedding_outage.recovered()
             return answer
@@ -970,6 +993,18 @@ class QueryService:
                 query_text, body.truncate, fingerprint.query_task or None
             )
             timings["embed"] = _ms_since(mark)
+            if self._seen_down:
+                # The service was down while this query's retries reached it: judge
+                # the model now, and embed again under that verdict.
+                if attempt:
+                    raise _dependency_down(
+                        _EMBEDDING,
+                        ServiceUnavailable(self.embedder.base_url, "restarting; try again"),
+                    )
+                async with self._locked():
+                    if self._seen_down:
+                        await self.verify()
+                continue
             if len(vector) != fingerprint.model.dimensions:
                 # Another model behind the URL since the verdict: judge it now (a 409
                 # naming both), never search with its vector.
@@ -1071,6 +1106,12 @@ class QueryService:
             scores = await self.reranker.score(query, texts, retry=self._rerank_retry)
         except ServiceUnavailable as error:
             self._reranker_outage.failed(error)
+            raise
+        except ServiceError:  # it answered: a query too long, a rejection, nonsense
+            self._reranker_outage.recovered()
+            raise
+        except BaseException:  # cancelled (QUARRY_RERANK_TIMEOUT): timed_out() judges
+            self._reranker_outage.abandoned()
             raise
         self._reranker_outage.recovered()
         return scores

@@ -8,6 +8,7 @@ killed at any moment and run again converges on the same index as one clean run.
 
 from __future__ import annotations
 
+import collections
 import gc
 import hashlib
 import json
@@ -150,6 +151,7 @@ class _FileTally:
     found: int = 0
     checked: int = 0  # compared with the index (read or not)
     in_flight: int = 0  # checked, with documents in batches not yet written
+    done: int = 0  # as last reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -845,9 +847,11 @@ def run_sync(
 
     def tell() -> None:
         if progress is not None:
+            # Never backwards (a file whose later pages wait for a batch counts again).
+            files.done = max(files.done, files.checked - files.in_flight)
             progress(
                 IngestProgress(
-                    max(files.checked - files.in_flight, 0),
+                    files.done,
                     files.found,
                     report.documents_embedded,
                     report.chunks_embedded,
@@ -855,13 +859,19 @@ def run_sync(
                 )
             )
 
-    # Batches submitted and not yet collected, with how many files each holds.
-    in_flight: deque[tuple[_Result, int]] = deque()
+    # Batches submitted and not yet collected, with the files each holds; and how many
+    # of those batches hold each file (a PDF's pages may span batches).
+    in_flight: deque[tuple[_Result, set[str]]] = deque()
+    unwritten: collections.Counter[str] = collections.Counter()
 
     def collect_oldest() -> None:
         future, batch_files = in_flight.popleft()
         _collect(future, report, log)
-        files.in_flight -= batch_files
+        for uri in batch_files:
+            unwritten[uri] -= 1
+            if not unwritten[uri]:
+                del unwritten[uri]
+                files.in_flight -= 1
         tell()
 
     for spec in specs:
@@ -881,8 +891,11 @@ def run_sync(
             sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures, files
         )
         for batch in _batches(pending):
-            batch_files = len({_file_uri(document.uri) for document in batch})
-            files.in_flight += batch_files
+            batch_files = {_file_uri(document.uri) for document in batch}
+            for uri in batch_files:
+                if not unwritten[uri]:
+                    files.in_flight += 1
+                unwritten[uri] += 1
             in_flight.append((submit(sync, batch), batch_files))
             while len(in_flight) >= window:
                 collect_oldest()
