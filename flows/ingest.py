@@ -23,7 +23,15 @@ from prefect.cache_policies import NO_CACHE
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
-from quarry.ingest import BatchResult, IndexSync, IngestProgress, IngestReport, run_sync
+from quarry.ingest import (
+    PROGRESS_SECONDS,
+    BatchResult,
+    IndexSync,
+    IngestProgress,
+    IngestReport,
+    run_sync,
+)
+from quarry.ingest import every as progress_gate
 from quarry.services import open_services
 from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
 from quarry.store import writer_lock_path
@@ -42,23 +50,19 @@ ProgressCallback = Callable[[IngestProgress], None]
 INGEST_PROGRESS: ContextVar[ProgressCallback | None] = ContextVar(
     "quarry_ingest_progress", default=None
 )
-# How often a long run logs how far it has got (what a deployment's log shows).
-PROGRESS_LOG_SECONDS = 30.0
 
 
 def _progress_reporter(
-    logger: Any, live: ProgressCallback | None, every: float = PROGRESS_LOG_SECONDS
+    logger: Any, live: ProgressCallback | None, every: float = PROGRESS_SECONDS
 ) -> ProgressCallback:
-    """Pass each update to ``live`` and log one at most every ``every`` seconds."""
-    last_logged = time.monotonic()
+    """Pass each update to ``live`` and log one at most every ``every`` seconds
+    (what a deployment's log shows of a long run)."""
+    due = progress_gate(every, first=False)
 
     def report(progress: IngestProgress) -> None:
-        nonlocal last_logged
         if live is not None:
             live(progress)
-        now = time.monotonic()
-        if now - last_logged >= every:
-            last_logged = now
+        if due():
             logger.info("progress: %s", progress.describe())
 
     return report

@@ -34,6 +34,7 @@ from quarry._http import (
     TransientFailure,
     async_http_client,
     gave_up,
+    json_answer,
     raise_for_status,
 )
 from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
@@ -214,10 +215,7 @@ async def arequest_json(
 
     async def attempt() -> Any:
         response = await asend(client, method, url, json_body=json_body, dialect_hint=dialect_hint)
-        try:
-            return response.json()
-        except ValueError as error:
-            raise BadResponse(url, f"answer is not JSON: {response.text[:200]!r}") from error
+        return json_answer(url, response)
 
     return await acall_with_retries(policy, url, attempt)
 
@@ -401,11 +399,7 @@ class AsyncEmbeddingClient:
                     url, error.status_code, error.response.content, error.response.headers
                 )
                 raise
-            try:
-                body = response.http_response.json()
-            except ValueError:
-                text = response.http_response.text
-                raise BadResponse(url, f"answer is not JSON: {text!r:.80}") from None
+            body = json_answer(url, response.http_response)
             return _decode_openai(url, body, len(texts), (), unit=unit)
 
         return await acall_with_retries(policy, url, attempt)

@@ -335,12 +335,19 @@ def request_json(
             documents=documents,
             dialect_hint=dialect_hint,
         )
-        try:
-            return response.json()
-        except ValueError as error:
-            raise BadResponse(url, f"answer is not JSON: {response.text[:200]!r}") from error
+        return json_answer(url, response)
 
     return call_with_retries(policy, url, attempt, documents=documents)
+
+
+def json_answer(url: str, response: httpx2.Response, documents: Sequence[str] = ()) -> Any:
+    """A response's JSON body; BadResponse naming ``url`` when it is not JSON."""
+    try:
+        return response.json()
+    except ValueError as error:
+        raise BadResponse(
+            url, f"answer is not JSON: {response.text[:200]!r}", documents=documents
+        ) from error
 
 
 __all__ = [
@@ -354,6 +361,7 @@ __all__ = [
     "call_with_retries",
     "error_message",
     "gave_up",
+    "json_answer",
     "raise_for_status",
     "request_json",
     "send",

@@ -70,7 +70,7 @@ from quarry._async_clients import (
     open_async_qdrant,
     stored_fingerprint,
 )
-from quarry._http import RetryPolicy
+from quarry._http import RetryPolicy, TransientFailure
 from quarry.config import Settings
 from quarry.errors import (
     BadResponse,
@@ -357,9 +357,9 @@ class _NoAnswer(ServiceUnavailable):
         self.reason = message  # for the client: without the url (which may be "")
 
 
-def _says_down(error: ServiceError) -> bool:
+def _says_down(error: ServiceUnavailable) -> bool:
     """A failure that says the service is unreachable or down (not busy, not this input)."""
-    return getattr(error, "status", None) in (None, 502, 503, 504)
+    return error.status in (None, 502, 503, 504)
 
 
 def _dependency_down(dependency: str, error: BaseException) -> ApiError:
@@ -722,7 +722,7 @@ class _Outage:
         """Record a failure (its retries spent): the cooldown starts now, when the service
         is unreachable or says it is down (502, 503, 504). A busy one (429) or one that
         failed on this input (424, 500) may serve the next query."""
-        if error.status in (None, 502, 503, 504):
+        if _says_down(error):
             self._last = (time.monotonic(), error)
         self._trial_since = None
 
@@ -820,12 +820,15 @@ class QueryService:
     def _retried_embedding(self, error: BaseException | None) -> None:
         """A query's embedding attempt failed and is retried: a service down even for a
         moment (restarting) may answer the retry as another model."""
-        if (
-            isinstance(error, ServiceError)
-            and _says_down(error)
-            and not getattr(error, "timed_out", False)  # slow, not gone
-        ):
-            self._seen_down = True
+        if isinstance(error, TransientFailure) and _says_down(error) and not error.timed_out:
+            self._seen_down = True  # (a timeout: slow, not gone)
+
+    async def _judge_again(self, fingerprint: Fingerprint) -> None:
+        """Judge the model afresh for a query that doubts ``fingerprint``, unless another
+        request did while this one waited for the lock."""
+        async with self._locked():
+            if self._seen_down or self._verified is fingerprint:
+                await self.verify()
 
     def _must_rejudge(self) -> bool:
         age = time.monotonic() - self._judged_at
@@ -993,33 +996,23 @@ class QueryService:
                 query_text, body.truncate, fingerprint.query_task or None
             )
             timings["embed"] = _ms_since(mark)
-            if self._seen_down:
-                # The service was down while this query's retries reached it: judge
-                # the model now, and embed again under that verdict.
-                if attempt:
-                    raise _dependency_down(
-                        _EMBEDDING,
-                        ServiceUnavailable(self.embedder.base_url, "restarting; try again"),
-                    )
-                async with self._locked():
-                    if self._seen_down:
-                        await self.verify()
-                continue
-            if len(vector) != fingerprint.model.dimensions:
-                # Another model behind the URL since the verdict: judge it now (a 409
-                # naming both), never search with its vector.
+            dimensions = fingerprint.model.dimensions
+            if self._seen_down or len(vector) != dimensions:
+                # The service was down while this query's retries reached it, or its
+                # vectors have another size: another model may be behind the URL. Judge
+                # it now (a 409 naming both) and embed again; never search with this.
                 if attempt:
                     raise _dependency_down(
                         _EMBEDDING,
                         BadResponse(
                             self.embedder.base_url,
-                            f"a query vector of {len(vector)} dimensions; the index "
-                            f"holds {fingerprint.model.dimensions}",
+                            f"a query vector of {len(vector)} dimensions; the index holds "
+                            f"{dimensions}"
+                            if len(vector) != dimensions
+                            else "down again while its model was checked; try again",
                         ),
                     )
-                async with self._locked():
-                    if self._verified is fingerprint:
-                        await self.verify()
+                await self._judge_again(fingerprint)
                 continue
 
             mark = time.perf_counter()
@@ -1041,9 +1034,7 @@ class QueryService:
                         "a reindex: try again"
                     )
                 )
-            async with self._locked():
-                if self._verified is fingerprint:
-                    await self.verify()
+            await self._judge_again(fingerprint)
         truncated = truncated or cut
 
         warnings: list[str] = []
@@ -1123,12 +1114,14 @@ class QueryService:
         is left of the query's time). A reranker that has not answered by then has
         failed (and starts RERANK_COOLDOWN_S)."""
         started = time.monotonic()
-        within = None if self.settings.rerank_required else self.settings.rerank_timeout
+        within = (
+            None
+            if self.settings.rerank_required
+            else (self.settings.rerank_timeout, "QUARRY_RERANK_TIMEOUT")
+        )
         try:
             return await self._in_time(
-                self._rerank_fitted(query, texts, truncate),
-                self.reranker.base_url,
-                within=(within, "QUARRY_RERANK_TIMEOUT") if within is not None else None,
+                self._rerank_fitted(query, texts, truncate), self.reranker.base_url, within=within
             )
         except _NoAnswer as error:
             self._reranker_outage.timed_out(error, started)
@@ -1253,11 +1246,11 @@ class QueryService:
         """``await awaitable`` by the query's deadline, or sooner within ``(seconds, the
         setting that says so)``; past it, raise _NoAnswer for ``url``."""
         answer_by = _answer_by.get()
-        own_limit = False
+        own_limit = None  # within, when it comes before the query's deadline
         if within is not None:
             own = asyncio.get_running_loop().time() + within[0]
             if answer_by is None or own < answer_by:
-                answer_by, own_limit = own, True
+                answer_by, own_limit = own, within
         deadline = asyncio.timeout_at(answer_by)
         try:
             async with deadline:
@@ -1265,8 +1258,9 @@ class QueryService:
         except TimeoutError:
             if not deadline.expired():
                 raise
-            if own_limit and within is not None:
-                raise _NoAnswer(url, f"no answer within {within[0]:g}s ({within[1]})") from None
+            if own_limit is not None:
+                seconds, setting = own_limit
+                raise _NoAnswer(url, f"no answer within {seconds:g}s ({setting})") from None
             raise self._no_answer(url) from None
 
     def _no_answer(self, url: str) -> _NoAnswer:

@@ -143,9 +143,9 @@ def _preflight(settings: Settings) -> None:
     when another process (the API, a query) holds local-mode Qdrant. Another ingest
     holding it is waited for, later, under the writers' lock."""
     if not settings.qdrant_url:
-        from quarry.store import local_mode_locked, local_store_held, writer_lock_path
+        from quarry.store import local_mode_locked, local_store_held, writer_lock_held
 
-        if local_store_held(settings) and not _held_by_a_writer(writer_lock_path(settings)):
+        if local_store_held(settings) and not writer_lock_held(settings):
             raise local_mode_locked(settings)
     if settings.embed_url:
         from quarry.embeddings import EmbeddingClient
@@ -161,18 +161,6 @@ def _preflight(settings: Settings) -> None:
         from quarry.store import open_client
 
         open_client(settings).close()
-
-
-def _held_by_a_writer(lock_path: Path) -> bool:
-    from filelock import FileLock, Timeout
-
-    if not lock_path.is_file():
-        return False
-    try:
-        FileLock(str(lock_path)).acquire(timeout=0).lock.release()
-    except Timeout:
-        return True
-    return False
 
 
 def _count(n: int, noun: str) -> str:

@@ -40,6 +40,7 @@ from quarry._http import (
     answer_late,
     call_with_retries,
     http_client,
+    json_answer,
     raise_for_status,
     request_json,
 )
@@ -623,12 +624,7 @@ class EmbeddingClient:
                     documents=documents,
                 )
                 raise
-            try:
-                body = response.json()
-            except ValueError:
-                raise BadResponse(
-                    url, f"answer is not JSON: {response.text!r:.80}", documents=documents
-                ) from None
+            body = json_answer(url, response, documents)
             return _decode_openai(url, body, len(texts), documents, unit=unit)
 
         return call_with_retries(self._paced_retry, url, attempt, documents=documents)

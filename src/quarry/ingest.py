@@ -13,9 +13,11 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -146,11 +148,30 @@ class IngestProgress:
         return line
 
 
+PROGRESS_SECONDS = 30.0
+"""A long run says how far it has got at most this often."""
+
+
+def every(seconds: float, *, first: bool = True) -> Callable[[], bool]:
+    """A gate for progress lines: open once ``seconds`` have passed since it last
+    opened (or since it was made, unless ``first`` opens it on the first call)."""
+    last = -math.inf if first else time.monotonic()
+
+    def due() -> bool:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < seconds:
+            return False
+        last = now
+        return True
+
+    return due
+
+
 @dataclass(slots=True)
 class _FileTally:
     found: int = 0
     checked: int = 0  # compared with the index (read or not)
-    in_flight: int = 0  # checked, with documents in batches not yet written
     done: int = 0  # as last reported
 
 
@@ -848,7 +869,7 @@ def run_sync(
     def tell() -> None:
         if progress is not None:
             # Never backwards (a file whose later pages wait for a batch counts again).
-            files.done = max(files.done, files.checked - files.in_flight)
+            files.done = max(files.done, files.checked - len(unwritten))
             progress(
                 IngestProgress(
                     files.done,
@@ -871,7 +892,6 @@ def run_sync(
             unwritten[uri] -= 1
             if not unwritten[uri]:
                 del unwritten[uri]
-                files.in_flight -= 1
         tell()
 
     for spec in specs:
@@ -892,10 +912,7 @@ def run_sync(
         )
         for batch in _batches(pending):
             batch_files = {_file_uri(document.uri) for document in batch}
-            for uri in batch_files:
-                if not unwritten[uri]:
-                    files.in_flight += 1
-                unwritten[uri] += 1
+            unwritten.update(batch_files)
             in_flight.append((submit(sync, batch), batch_files))
             while len(in_flight) >= window:
                 collect_oldest()

@@ -10,9 +10,7 @@ kept for :func:`rollback` until pruned.
 from __future__ import annotations
 
 import collections
-import math
 import random
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +21,13 @@ from quarry.documents import Chunk, Document
 from quarry.errors import CanaryMismatch, MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
 from quarry.ingest import (
+    PROGRESS_SECONDS,
     Failure,
     IndexSync,
     IngestReport,
     _file_uri,
     chunking_key,
+    every,
     index_settings,
     run_sync,
 )
@@ -340,7 +340,7 @@ def _build(
     interrupted: list[str] = []
     chunkings: dict[str, str | None] = {}
     unloaded: list[Failure] = []
-    due = _every(PROGRESS_SECONDS)
+    due = every(PROGRESS_SECONDS)
     if from_source:
         ingest = run_sync(
             sync,
@@ -397,26 +397,6 @@ def _build(
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
     return report
-
-
-PROGRESS_SECONDS = 30.0
-"""A long build says how far it has got at most this often (and once at its start)."""
-
-
-def _every(seconds: float) -> Callable[[], bool]:
-    """A gate that is open on its first call, then once ``seconds`` have passed since
-    it last opened."""
-    last = -math.inf
-
-    def due() -> bool:
-        nonlocal last
-        now = time.monotonic()
-        if now - last < seconds:
-            return False
-        last = now
-        return True
-
-    return due
 
 
 def _rekey_headings(known: Sequence[Mapping[str, Any]], embed_headings: bool) -> dict[str, str]:

@@ -165,6 +165,20 @@ def writer_lock_path(settings: Settings) -> Path:
     return settings.data_dir / "locks" / "local-qdrant.lock"
 
 
+def writer_lock_held(settings: Settings) -> bool:
+    """Whether an ingest or reindex holds the writers' lock right now (it is waited for)."""
+    from filelock import FileLock, Timeout
+
+    lock_path = writer_lock_path(settings)
+    if not lock_path.is_file():
+        return False
+    try:
+        FileLock(str(lock_path)).acquire(timeout=0).lock.release()
+    except Timeout:
+        return True
+    return False
+
+
 def local_store_held(settings: Settings) -> bool:
     """Whether a process holds local-mode Qdrant's folder right now (the ``.lock`` file
     qdrant-client locks while a client is open), read without opening the store."""
