@@ -343,6 +343,8 @@ def test_query_is_formatted_with_the_recorded_profile_and_task(
         {"query": "x", "top_k": 0},
         {"query": "x", "top_k": 101},
         {"query": "x", "candidates": 0},
+        {"query": "x", "top_k": 2.5},
+        {"query": "x", "top_k": "2"},
         {"query": "x", "colour": "blue"},
         {"query": "x", "filter": {"uri_prefix": "a", "path": "b"}},
         {"query": "x", "filter": {"doc_ids": []}},
@@ -357,6 +359,12 @@ def test_query_is_formatted_with_the_recorded_profile_and_task(
 def test_bad_input_is_a_422_in_the_error_shape(app: TestClient, body: dict[str, Any]) -> None:
     error = assert_error(query(app, body), 422, "invalid_request")
     assert error["details"]
+
+
+def test_integral_numbers_are_integers_as_json_schema_says(app: TestClient) -> None:
+    answered = query(app, {"query": "gamma rays", "top_k": 2.0, "candidates": 4.0})
+    assert answered.status_code == 200, answered.text
+    assert len(answered.json()["results"]) == 2
 
 
 def test_malformed_json_is_a_422(app: TestClient) -> None:
@@ -926,10 +934,12 @@ def test_a_down_embedding_service_is_not_asked_again_by_every_query(
     embedder = app.app_state["query_service"].embedder
     real = embedder.embed_query
     budgets: list[float] = []
+    sources: list[str] = []
     url = "http://10.9.8.7:8001/v1/embeddings"
 
     async def down_once(*args: Any, retry: Any, **kwargs: Any) -> list[float]:
         budgets.append(retry.budget)
+        sources.append(retry.budget_source)  # what its retry warning names
         if len(budgets) == 1:
             raise ServiceUnavailable(url, f"still failing after retrying for 5s: {url}: refused")
         return await real(*args, retry=retry, **kwargs)
@@ -938,6 +948,7 @@ def test_a_down_embedding_service_is_not_asked_again_by_every_query(
     first = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
     # A query waits QUERY_EMBED_RETRY_S at most, not the ingest's QUARRY_RETRY_BUDGET.
     assert budgets == [api.QUERY_EMBED_RETRY_S]
+    assert sources == ["a query's cap for the embedding service"]
     assert "10.9.8.7" not in first["message"] and "refused" in first["message"]
     again = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
     assert "ago" in again["message"] and "10.9.8.7" not in again["message"]
@@ -1522,7 +1533,10 @@ def test_a_burst_queued_on_a_busy_embedding_service_does_not_mark_it_down(
         with ThreadPoolExecutor(8) as pool:
             statuses = sorted(r.status_code for r in pool.map(lambda _: query(app, body), range(8)))
         assert 200 in statuses and 504 in statuses, statuses  # some answered, some ran out
-        assert busy.stats.responses.get(429, 0) == 0
+        # Only answers and timeouts: no query was told the service is down (503). A
+        # query cancelled at its deadline frees its slot while the service still
+        # works on it, so the next one can meet a 429; the client retries that.
+        assert set(statuses) == {200, 504}, statuses
         # The burst is over and the service is idle and answering: a query is answered.
         after = query(app, body)
         assert after.status_code == 200, after.text

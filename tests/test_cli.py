@@ -177,6 +177,10 @@ def test_ingest_query_status_round_trip(
     assert status["alias"] == "quarry"
     assert status["documents"] == 2 and status["documents_incomplete"] == 0
     assert status["fingerprint"]["model"]["dimensions"] == 16
+    # The physical collection named directly reads the same (a candidate, a rollback target).
+    by_name = run(["status", "--json", "--collection", status["collection"]], env)
+    assert by_name.returncode == 0, by_name.stderr
+    assert json.loads(by_name.stdout) == status
 
 
 def ingested(tmp_path: Path, url: str, prefect_api: str, files: dict[str, str]) -> dict[str, str]:

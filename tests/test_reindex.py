@@ -24,7 +24,16 @@ from quarry.errors import (
 from quarry.ingest import IndexSync, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.parity import accept, measure_parity
-from quarry.reindex import INTERRUPTED_WRITE, prune, reindex, rollback
+from quarry.reindex import (
+    BUILDING,
+    COMPLETE,
+    INTERRUPTED_WRITE,
+    META_BUILD,
+    REFUSED,
+    prune,
+    reindex,
+    rollback,
+)
 from quarry.search import Searcher
 from quarry.sources import open_source
 from quarry.store import META_CHUNKING, VectorStore, open_client
@@ -148,6 +157,44 @@ def test_prune_keeps_the_live_collection_and_the_newest(
     dropped = prune(index.store, keep=1)
     assert len(dropped) == 2
     assert [info.name for info in index.store.collections()] == [live]
+
+
+def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)
+    first = index.store.alias_target()
+    during: list[Any] = []
+
+    def watch(message: str) -> None:
+        if not during:  # while the new collection is built: a killed reindex leaves this
+            during.extend(
+                info.metadata.get(META_BUILD)
+                for info in index.store.collections()
+                if info.name != first
+            )
+
+    built = reindex(index.store, lambda store: index.sync(new_model.url, store), progress=watch)
+    assert during == [BUILDING]
+    assert index.store.metadata()[META_BUILD] == COMPLETE
+    back = reindex(index.store, lambda store: index.sync(old_model.url, store))
+
+    def refusing_gate() -> dict[str, Any]:
+        raise Refused("nDCG@10 0.1 is below --min-ndcg 0.5")
+
+    with pytest.raises(Refused):
+        reindex(index.store, lambda store: index.sync(new_model.url, store), gate=refusing_gate)
+    states = {info.name: info.metadata.get(META_BUILD) for info in index.store.collections()}
+    refused = [name for name, state in states.items() if state == REFUSED]
+    assert len(states) == 4 and len(refused) == 1
+    # Kept: the served one, its rollback target, then the newest that served (the
+    # first), not the refused build, though it is newer.
+    assert prune(index.store, keep=3) == refused
+    assert {info.name for info in index.store.collections()} == {
+        back.collection,
+        built.collection,
+        first,
+    }
 
 
 def test_engine_change_needs_accepted_parity(
@@ -282,6 +329,8 @@ def test_a_half_written_document_is_carried_for_the_next_ingest_to_mend(
     state = index.store.index_state()[doc_id]
     assert state.hashes == {INTERRUPTED_WRITE}
     assert index.store.index_state()[other].hashes == {INTERRUPTED_WRITE}
+    # Renumbered whole by the reindex, still not complete: `quarry status` counts them.
+    assert sum(not s.is_complete() for s in index.store.index_state().values()) == 2
     # The next ingest reads the files again (their stamps no longer vouch) and mends them.
     again = run_sync(index.sync(new_model.url), [open_source(index.corpus)])
     assert again.documents_embedded == 2

@@ -100,6 +100,8 @@ class RetryPolicy:
     # False: a timed-out attempt is raised at once, for a caller that paces its
     # requests (quarry._pacing) to send again at a lower depth.
     retry_timeouts: bool = True
+    # What sets ``budget``, as the retry warning names it for whoever would change it.
+    budget_source: str = "QUARRY_RETRY_BUDGET"
     # Told of each failed attempt about to be retried (the query API notes a service
     # that was down even when a retry then reached it).
     on_retry: Callable[[BaseException | None], None] | None = field(
@@ -135,9 +137,10 @@ class RetryPolicy:
         if state.attempt_number != 1 or self.budget <= 0:
             return
         logger.warning(
-            "%s; retrying for up to %gs (QUARRY_RETRY_BUDGET)",
+            "%s; retrying for up to %gs (%s)",
             error if error is not None else "request failed",
             self.budget,
+            self.budget_source,
         )
 
 

@@ -137,6 +137,13 @@ _RERANK_WARNING = '199 quarry "rerank failed; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 
 
+def _capped(policy: RetryPolicy, cap: float, service: str) -> RetryPolicy:
+    """``policy`` with its budget capped at ``cap``, a query's most for ``service``."""
+    if policy.budget <= cap:
+        return policy
+    return dataclasses.replace(policy, budget=cap, budget_source=f"a query's cap for the {service}")
+
+
 # -- request and response bodies --------------------------------------------------------------
 
 MetadataKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -215,6 +222,15 @@ class QueryRequest(BaseModel):
         description="Cut a query over the token limit instead of refusing it; the answer "
         "then says `truncated: true`.",
     )
+
+    # JSON Schema's "integer" is any number with no fraction: 10.0 is one (a client
+    # that does its arithmetic in floats sends it), 10.5 and "10" are not.
+    @field_validator("top_k", "candidates", mode="before")
+    @classmethod
+    def _integral(cls, value: object) -> object:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
     # Not a schema `pattern`: generating long strings that match one is very slow for
     # schema-driven fuzzers, and the rule is simple.
@@ -771,12 +787,9 @@ class QueryService:
         self._seen_down = False
         self._reranker_outage = _Outage(RERANK_COOLDOWN_S)
         self._embedding_outage = _Outage(EMBED_COOLDOWN_S)
-        self._rerank_retry = dataclasses.replace(
-            retry_policy(settings), budget=min(settings.retry_budget, QUERY_RERANK_RETRY_S)
-        )
+        self._rerank_retry = _capped(retry_policy(settings), QUERY_RERANK_RETRY_S, "reranker")
         self._embed_retry = dataclasses.replace(
-            retry_policy(settings),
-            budget=min(settings.retry_budget, QUERY_EMBED_RETRY_S),
+            _capped(retry_policy(settings), QUERY_EMBED_RETRY_S, "embedding service"),
             on_retry=self._retried_embedding,
         )
 

@@ -374,6 +374,16 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
         store = VectorStore(open_client(settings), settings.collection)
         try:
             physical = store.resolve()
+            aliases = [settings.collection]
+            if physical is None and store.client.collection_exists(settings.collection):
+                # A physical collection named directly (a candidate, a rollback target).
+                physical = settings.collection
+                store = store.view(physical)
+                aliases = [
+                    a.alias_name
+                    for a in store.client.get_aliases().aliases
+                    if a.collection_name == physical
+                ]
             if physical is None:
                 _fail(
                     f"collection {settings.collection!r} does not exist yet; "
@@ -384,7 +394,7 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
             documents = store.index_state()
             data = {
                 "collection": physical,
-                "alias": settings.collection,
+                "alias": aliases[0] if aliases else None,
                 "points": store.count(),
                 "documents": len(documents),
                 # Half-written by an interrupted run: the next ingest completes them.
@@ -399,7 +409,10 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
         data["fingerprint"].pop("canary", None)
 
     def human() -> None:
-        typer.echo(f"alias        {data['alias']} -> {data['collection']}")
+        if data["alias"] is None:
+            typer.echo(f"collection   {data['collection']} (no alias points at it)")
+        else:
+            typer.echo(f"alias        {data['alias']} -> {data['collection']}")
         typer.echo(f"points       {data['points']}")
         typer.echo(f"documents    {data['documents']}")
         if data["documents_incomplete"]:
@@ -420,6 +433,7 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
     """List the physical collections behind the alias, with the model that built each."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
+        from quarry.reindex import BUILDING, META_BUILD, META_PREVIOUS, REFUSED
         from quarry.store import META_FINGERPRINT, VectorStore, open_client
 
         store = VectorStore(open_client(settings), settings.collection)
@@ -437,9 +451,16 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
                 "aliases": list(info.aliases),
                 "points": info.points,
                 "fingerprint": fingerprint or None,
-                "previous": info.metadata.get("quarry_previous"),
+                "previous": info.metadata.get(META_PREVIOUS),
+                # "building" (under way, or its reindex was killed), "refused" (kept by
+                # the --min-ndcg gate), "complete"; null for one an ingest created.
+                "build": info.metadata.get(META_BUILD),
             }
         )
+    notes = {
+        BUILDING: "  [incomplete: a reindex is building it or was stopped]",
+        REFUSED: "  [refused by the --min-ndcg gate]",
+    }
 
     def human() -> None:
         if not rows:
@@ -450,6 +471,7 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
             typer.echo(
                 f"{serving} {row['name']}  {row['points']} points  "
                 f"{model.get('model_id', '?')} ({model.get('dimensions', '?')}d)"
+                + notes.get(row["build"], "")
             )
 
     _emit(as_json, {"alias": settings.collection, "collections": rows}, human)

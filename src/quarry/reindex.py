@@ -32,12 +32,20 @@ from quarry.ingest import (
     run_sync,
 )
 from quarry.sources import SourceSpec
-from quarry.store import META_CHUNKING, CollectionInfo, DocState, VectorStore
+from quarry.store import (
+    INTERRUPTED_WRITE,
+    META_CHUNKING,
+    CollectionInfo,
+    DocState,
+    VectorStore,
+)
 
 META_PREVIOUS = "quarry_previous"
-# The hash a document gets when its points disagree (an ingest was killed while it
-# wrote them): no content hash equals it, so the next sync reads the file again.
-INTERRUPTED_WRITE = "interrupted-write"
+# A reindex's build says how far it got: BUILDING from its creation, so one whose
+# process was killed says so in `quarry collections`; COMPLETE once switched to;
+# REFUSED when the --min-ndcg gate kept it for inspection.
+META_BUILD = "quarry_build"
+BUILDING, COMPLETE, REFUSED = "building", "complete", "refused"
 VERIFY_SAMPLE = 16
 REINDEX_DOCUMENTS_PER_BATCH = 64
 
@@ -261,7 +269,7 @@ def reindex(
         if recorded:
             chunking = index_settings(recorded, probe.embed_headings)
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
-    physical = store.create_physical(live, chunking)
+    physical = store.create_physical(live, chunking, extra_metadata={META_BUILD: BUILDING})
     target = store.view(physical)
     gate_refused = False
     try:
@@ -294,8 +302,9 @@ def reindex(
                 report.evaluation = gate()
             except Refused:
                 gate_refused = True
+                target.update_metadata({META_BUILD: REFUSED})
                 raise
-        target.update_metadata({META_PREVIOUS: previous})
+        target.update_metadata({META_PREVIOUS: previous, META_BUILD: COMPLETE})
         store.point_alias(physical)
     except BaseException as error:
         # A build that is refused or broke off is of no use: nothing switches to it,
@@ -517,11 +526,17 @@ def rollback(store: VectorStore) -> tuple[str, str]:
     return current, str(previous)
 
 
+def unfinished(info: CollectionInfo) -> bool:
+    """True for a reindex's build that was never switched to: killed mid-way, or refused."""
+    return info.metadata.get(META_BUILD) in (BUILDING, REFUSED)
+
+
 def prune(store: VectorStore, keep: int) -> list[str]:
     """Delete this alias's older physical collections; returns the names deleted.
 
     Kept: the one the alias serves, then the one it would roll back to, then the
-    newest others, ``keep`` in all (the served one always).
+    newest others that served or could have (a build killed mid-way or refused by
+    the gate goes first), ``keep`` in all (the served one always).
     """
     if keep < 1:
         raise ValueError("--keep must be at least 1")
@@ -529,7 +544,12 @@ def prune(store: VectorStore, keep: int) -> list[str]:
     collections: list[CollectionInfo] = store.collections()  # newest first
     rollback_to = store.metadata(current).get(META_PREVIOUS) if current else None
     ranked = sorted(
-        collections, key=lambda info: (info.name != current, info.name != rollback_to)
+        collections,
+        key=lambda info: (
+            info.name != current,
+            info.name != rollback_to,
+            unfinished(info),  # a killed or refused build goes before any that served
+        ),
     )  # stable: the rest stay newest first
     dropped: list[str] = []
     for rank, info in enumerate(ranked):

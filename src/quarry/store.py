@@ -71,6 +71,11 @@ _SCAN_FIELDS = [
 ]
 
 
+# The hash a reindex gives a document whose points disagree (an ingest was killed
+# while it wrote them): no content hash equals it, so the next sync reads the file again.
+INTERRUPTED_WRITE = "interrupted-write"
+
+
 @dataclass(slots=True)
 class DocState:
     """What the index holds for one document, read from its points."""
@@ -92,8 +97,9 @@ class DocState:
 
     def is_complete(self) -> bool:
         """True when the points are one whole write: one text, exactly chunks 0..n-1
-        (not a write that was interrupted, nor a mix of two versions)."""
-        if len(self.hashes) != 1 or len(self.chunk_counts) != 1:
+        (not a write that was interrupted, nor a mix of two versions, nor such a write
+        a reindex carried over)."""
+        if len(self.hashes) != 1 or len(self.chunk_counts) != 1 or INTERRUPTED_WRITE in self.hashes:
             return False
         (count,) = self.chunk_counts
         return self.points == count and self.indexes == set(range(count))
@@ -319,9 +325,18 @@ class VectorStore:
         return self.resolve() is not None
 
     def create_physical(
-        self, fingerprint: Fingerprint, chunking: Mapping[str, Any], name: str | None = None
+        self,
+        fingerprint: Fingerprint,
+        chunking: Mapping[str, Any],
+        name: str | None = None,
+        *,
+        extra_metadata: Mapping[str, Any] | None = None,
     ) -> str:
-        """Create a new physical collection for ``fingerprint``; does not touch the alias."""
+        """Create a new physical collection for ``fingerprint``; does not touch the alias.
+
+        ``extra_metadata`` is stored with it from the start (a reindex marks its
+        build as under way, so a build that was killed says so).
+        """
         if name is None:
             # Names are stamped to the second; two rebuilds within one take the next free one.
             when = datetime.now(UTC)
@@ -339,6 +354,7 @@ class VectorStore:
                 META_CHUNKING: dict(chunking),
                 META_ACCEPTED_SERVING: [],
                 "quarry_alias": self.alias,
+                **(extra_metadata or {}),
             },
         )
         if self.is_local:
