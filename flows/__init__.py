@@ -57,14 +57,15 @@ def embedded_flow_runs(
     unfinished collection) gets KeyboardInterrupt instead, and ``clean_up_s`` to
     finish before the process exits all the same; a second Ctrl-C exits at once.
     SIGTERM is handled the same way. With a Prefect server (``PREFECT_API_URL``)
-    nothing changes.
+    the signals stay Prefect's; a stopped run is still said to be, as above.
     """
     from prefect.settings import temporary_settings
 
     # Settings read afresh: PREFECT_API_URL may have been set since prefect was imported.
     with temporary_settings() as current:
         if current.api.url:
-            yield
+            with _say_when_stopped(interrupted, on_stop):
+                yield
             return
         _filter_once("EventsWorker", _NoDrainNotice)
         with (
@@ -72,6 +73,42 @@ def embedded_flow_runs(
             _stop_on_signals(interrupted, clean_up_s, on_stop),
         ):
             yield
+
+
+@contextmanager
+def _say_when_stopped(
+    note: str, on_stop: Callable[[int, str], None] | None = None
+) -> Iterator[None]:
+    """With a Prefect server, signals stay Prefect's (the run's batches wind down, the
+    server hears of the crash); say that the run was stopped all the same, and exit
+    with 130 (Ctrl-C) or 143 (SIGTERM).
+
+    Prefect answers SIGTERM by marking the run crashed, then sends it again to the
+    handler it found: the one set here, which ends the command as Ctrl-C would.
+    """
+    said = f"interrupted{': ' + note if note else ''}"
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        code = 143 if terminated else 130
+        sys.stderr.write(f"\n{said}\n")
+        sys.stderr.flush()
+        if on_stop is not None:
+            on_stop(code, said)
+        if terminated:
+            raise SystemExit(code) from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

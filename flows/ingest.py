@@ -8,6 +8,7 @@ decides what runs where: each batch of documents is a Prefect task, at most
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +32,6 @@ from quarry.ingest import (
     IngestReport,
     run_sync,
 )
-from quarry.ingest import every as progress_gate
 from quarry.services import open_services
 from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
 from quarry.store import writer_lock_path
@@ -52,20 +52,33 @@ INGEST_PROGRESS: ContextVar[ProgressCallback | None] = ContextVar(
 )
 
 
+@contextmanager
 def _progress_reporter(
-    logger: Any, live: ProgressCallback | None, every: float = PROGRESS_SECONDS
-) -> ProgressCallback:
-    """Pass each update to ``live`` and log one at most every ``every`` seconds
-    (what a deployment's log shows of a long run)."""
-    due = progress_gate(every, first=False)
+    logger: Any, live: ProgressCallback | None, every: float | None = None
+) -> Iterator[ProgressCallback]:
+    """A progress callback that passes each update to ``live`` and, from a thread of
+    its own, logs the latest every ``every`` seconds (``PROGRESS_SECONDS``): what a
+    deployment's log shows of a long run, even while one batch takes longer than that."""
+    latest: list[IngestProgress] = []
+    finished = threading.Event()
 
     def report(progress: IngestProgress) -> None:
         if live is not None:
             live(progress)
-        if due():
-            logger.info("progress: %s", progress.describe())
+        latest[:] = [progress]
 
-    return report
+    def log_latest() -> None:
+        while not finished.wait(PROGRESS_SECONDS if every is None else every):
+            if latest:
+                logger.info("progress: %s", latest[-1].describe())
+
+    ticker = threading.Thread(target=log_latest, name="quarry-progress-log", daemon=True)
+    ticker.start()
+    try:
+        yield report
+    finally:
+        finished.set()
+        ticker.join()
 
 
 @contextmanager
@@ -151,7 +164,11 @@ def ingest_flow(
     settings = get_settings(collection=collection)
     started = time.monotonic()
     specs = source_specs(sources, include, exclude, missing_file_ok=True)
-    with one_writer(settings, settings.collection), open_services(settings) as services:
+    with (
+        one_writer(settings, settings.collection),
+        open_services(settings) as services,
+        _progress_reporter(logger, INGEST_PROGRESS.get()) as progress,
+    ):
         sync = IndexSync(
             services.store,
             services.embedder,
@@ -171,7 +188,7 @@ def ingest_flow(
             submit=write_documents.submit,
             window=settings.workers,
             log=logger,
-            progress=_progress_reporter(logger, INGEST_PROGRESS.get()),
+            progress=progress,
         )
     elapsed = time.monotonic() - started
     logger.info(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_flow_ingests_then_skips_unchanged(
     assert reread["embedding_requests"] == 0
 
 
-def test_a_long_run_logs_its_progress_at_most_every_interval() -> None:
+def test_a_long_run_logs_its_latest_progress_every_interval() -> None:
     logged: list[str] = []
 
     class Logger:
@@ -83,14 +84,21 @@ def test_a_long_run_logs_its_progress_at_most_every_interval() -> None:
 
     shown: list[IngestProgress] = []
     states = [IngestProgress(n, 10, n, 2 * n, 0) for n in range(3)]
-    for every, live in ((3600.0, shown.append), (0.0, None)):
-        report = _progress_reporter(Logger(), live, every=every)
+    with _progress_reporter(Logger(), shown.append, every=3600.0) as report:
         for state in states:
             report(state)
     # Within the interval nothing is logged, but the live line sees every update.
-    assert shown == states
-    assert logged == [f"progress: {state.describe()}" for state in states]
-    assert logged[2] == "progress: 2 of 10 files done; embedded 2 documents (4 chunks)"
+    assert shown == states and logged == []
+    with _progress_reporter(Logger(), None, every=0.02) as report:
+        report(states[2])
+        # No update comes (one batch is slow): the latest is logged all the same.
+        deadline = time.monotonic() + 10
+        while len(logged) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    after = len(logged)
+    time.sleep(0.1)
+    assert len(logged) == after >= 3  # and not after the run
+    assert set(logged) == {"progress: 2 of 10 files done; embedded 2 documents (4 chunks)"}
     assert IngestProgress(1, 2, 0, 0, 1).describe().endswith("; 1 failed")
 
 
@@ -144,6 +152,30 @@ def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() ->
     with temporary_settings(updates={"api.url": "http://prefect.test/api"}):
         with embedded_flow_runs():
             assert get_current_settings().flows.heartbeat_frequency == default
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_run_stopped_under_a_prefect_server_says_so(
+    signum: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The signals stay Prefect's there (it marks the run crashed); the command still
+    # says it was stopped, --json included, and exits 130 or 143.
+    from prefect.settings import temporary_settings
+
+    from flows import embedded_flow_runs
+
+    told: list[tuple[int, str]] = []
+    expected = (KeyboardInterrupt,) if signum == signal.SIGINT else (SystemExit,)
+    with temporary_settings(updates={"api.url": "http://prefect.test/api"}):
+        with pytest.raises(expected) as stopped:
+            with embedded_flow_runs("rerun", on_stop=lambda *a: told.append(a)):
+                os.kill(os.getpid(), signum)
+                time.sleep(5)  # the handler raises before this ends
+    if signum == signal.SIGTERM:
+        assert isinstance(stopped.value, SystemExit) and stopped.value.code == 143
+    assert told == [(128 + signum, "interrupted: rerun")]
+    assert "interrupted: rerun" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
 def test_a_server_named_after_prefect_was_imported_keeps_the_heartbeats() -> None:

@@ -94,6 +94,41 @@ def harness(tmp_path: Path, tei: LocalTEIServer) -> Harness:
     return Harness(tmp_path, tei.url)
 
 
+def test_an_interrupted_run_leaves_no_batch_running_under_closed_clients(
+    tmp_path: Path,
+) -> None:
+    # As the flow runs it: batches are tasks in other threads, and once run_sync
+    # raises (Ctrl-C with a Prefect server, a failure) the clients are closed. A
+    # batch still embedding must not then write (a closed client's tracebacks; with
+    # a Qdrant server, writes after the writers' lock is released).
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=150.0)
+    files = {f"doc{i:03}.md": f"Document number {i} says something." for i in range(300)}
+    with LocalTEIServer(slow) as server, ThreadPoolExecutor(4) as pool:
+        harness = Harness(tmp_path, server.url)
+        harness.root = write_corpus(tmp_path / "many", files)
+        futures: list[Future[Any]] = []
+
+        def submit(sync: IndexSync, batch: list[Any]) -> Future[Any]:
+            futures.append(pool.submit(sync.write_batch, batch))
+            return futures[-1]
+
+        def interrupt(progress: IngestProgress) -> None:
+            if progress.documents_embedded:  # the first batch is written
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            harness.run(submit=submit, window=4, progress=interrupt)
+        assert len(futures) == 4
+        assert all(future.done() for future in futures)  # none left running
+        assert [future.exception() for future in futures] == [None] * 4
+        # Whole batches were written, and a rerun does exactly the rest.
+        written = len(harness.points())
+        assert written % 64 == 0 and 64 <= written < 300
+        assert harness.run().documents_embedded == 300 - written
+
+
 def test_first_run_embeds_everything(harness: Harness) -> None:
     report = harness.run()
     assert report.documents_seen == 4

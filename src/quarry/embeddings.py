@@ -222,6 +222,7 @@ class EmbeddingClient:
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
         self._pool: ThreadPoolExecutor | None = None
+        self._retired_pools: list[ThreadPoolExecutor] = []
         self._pace: Pacer | None = None
         self._pool_lock = threading.Lock()
 
@@ -341,6 +342,16 @@ class EmbeddingClient:
         finally:
             for future in futures:  # a failed batch abandons the batches not yet started
                 future.cancel()
+
+    def cancel_pending(self) -> None:
+        """Cancel the embedding requests queued and not sent yet (their callers get
+        CancelledError); those in flight finish. Later calls work as before."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                self._retired_pools.append(pool)  # close() waits for its requests
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _shared_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -632,8 +643,9 @@ class EmbeddingClient:
     def close(self) -> None:
         """Release connections (and the threads of the shared pool)."""
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools = [*self._retired_pools, *([self._pool] if self._pool else [])]
+            self._pool, self._retired_pools = None, []
+        for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
         self._openai.close()

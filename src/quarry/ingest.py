@@ -20,6 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -63,6 +65,8 @@ UPSERT_BATCH = 256
 # that scheduling is noise, small enough that a failure or a retry costs little.
 BATCH_DOCUMENTS = 64
 BATCH_CHARACTERS = 2_000_000
+# How long a run that is ending waits for its batches in flight to return.
+WIND_DOWN_SECONDS = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +232,11 @@ class IndexSync:
         self._stored: Fingerprint | None = None
         self._accepted_serving: list[Mapping[str, Any]] = []
         self._canary_error: QuarryError | None = None
+        # Set when the run is ending (Ctrl-C, a failure): batches write nothing more.
+        # The condition guards the count of writes under way, which stop() waits out.
+        self._stopping = threading.Event()
+        self._writing = threading.Condition()
+        self._writes_under_way = 0
 
     # -- before: fingerprint and plan ----------------------------------------------------
 
@@ -414,10 +423,26 @@ class IndexSync:
 
     # -- during: embed and write ---------------------------------------------------------
 
+    def stop(self) -> None:
+        """Let no batch write from now on: the run is ending (Ctrl-C, a failure) and its
+        caller is about to close the clients (and release the writers' lock).
+
+        Returns once no write is under way, so none lands after the lock is released.
+        Batches still embedding return without writing, at once if their requests
+        were queued (cancelled here), else when they are answered or meet a closed
+        client; a rerun does their work.
+        """
+        self._stopping.set()
+        self.embedder.cancel_pending()
+        with self._writing:
+            self._writing.wait_for(lambda: self._writes_under_way == 0)
+
     def write_batch(self, documents: Sequence[Document]) -> BatchResult:
         """Chunk, embed and write ``documents``; a bad document fails alone."""
         result = BatchResult()
         chunked: list[tuple[Document, list[Chunk]]] = []
+        if self._stopping.is_set():
+            return result
         for document in documents:
             try:
                 chunks = self.chunker.chunk(document)
@@ -447,9 +472,16 @@ class IndexSync:
             for chunk in chunks:
                 texts.append(self._embedding_text(chunk))
                 owners.append(document.uri)
+        if self._stopping.is_set():
+            return result
         if texts:
             self.verify_canary()
-        embedded = self.embedder.embed_passages(texts, documents=owners)
+        try:
+            embedded = self.embedder.embed_passages(texts, documents=owners)
+        except (CancelledError, Exception):
+            if self._stopping.is_set():  # cancelled by stop(), or a client closed since
+                return result
+            raise
 
         points: list[models.PointStruct] = []
         written: list[tuple[Document, int]] = []
@@ -471,7 +503,16 @@ class IndexSync:
             written.append((document, len(doc_points)))
             result.tokens_embedded += sum(chunk.token_count for chunk in chunks)
 
-        failed_writes = self._upsert(points, written)
+        with self._writing:
+            if self._stopping.is_set():
+                return result
+            self._writes_under_way += 1
+        try:
+            failed_writes = self._upsert(points, written)
+        finally:
+            with self._writing:
+                self._writes_under_way -= 1
+                self._writing.notify_all()
         for document, count in written:
             if document.doc_id in failed_writes:
                 result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
@@ -801,6 +842,24 @@ class _Done:
         return self.value
 
 
+def _wind_down(
+    sync: IndexSync,
+    results: Sequence[_Result],
+    log: logging.Logger | logging.LoggerAdapter[Any],
+    grace: float = WIND_DOWN_SECONDS,
+) -> None:
+    """Stop the batches in flight (see :meth:`IndexSync.stop`), then give them up to
+    ``grace`` seconds to return before the caller closes the clients under them (one
+    that takes longer meets a closed client and returns all the same)."""
+    # A Prefect future wraps a concurrent one; run_inline's results are done.
+    futures = [getattr(result, "wrapped_future", result) for result in results]
+    running = [f for f in futures if isinstance(f, Future) and not f.done()]
+    if running:
+        log.warning("stopping: %d batch(es) in flight write nothing more", len(running))
+    sync.stop()
+    futures_wait(running, timeout=grace)
+
+
 def run_inline(sync: IndexSync, documents: list[Document]) -> _Result:
     """The default way to run a batch: here and now."""
     return _Done(sync.write_batch(documents))
@@ -894,36 +953,43 @@ def run_sync(
                 del unwritten[uri]
         tell()
 
-    for spec in specs:
-        plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
-        files.found += len(plan.listing.found) if plan.listing is not None else 1
-        tell()
-        if spec.file is None and plan.listing is not None and not plan.listing.found:
-            note = (
-                f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
-                "check the path and --include"
+    try:
+        for spec in specs:
+            plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
+            files.found += len(plan.listing.found) if plan.listing is not None else 1
+            tell()
+            if spec.file is None and plan.listing is not None and not plan.listing.found:
+                note = (
+                    f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
+                    "check the path and --include"
+                )
+                report.notes.append(note)
+                log.warning(note)
+            seen: set[str] = set()
+            failed_uris: set[str] = set()
+            pending = _pending_documents(
+                sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures, files
             )
-            report.notes.append(note)
-            log.warning(note)
-        seen: set[str] = set()
-        failed_uris: set[str] = set()
-        pending = _pending_documents(
-            sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures, files
-        )
-        for batch in _batches(pending):
-            batch_files = {_file_uri(document.uri) for document in batch}
-            unwritten.update(batch_files)
-            in_flight.append((submit(sync, batch), batch_files))
-            while len(in_flight) >= window:
+            for batch in _batches(pending):
+                batch_files = {_file_uri(document.uri) for document in batch}
+                unwritten.update(batch_files)
+                in_flight.append((submit(sync, batch), batch_files))
+                while len(in_flight) >= window:
+                    collect_oldest()
+            while in_flight:
                 collect_oldest()
-        while in_flight:
-            collect_oldest()
-        if full_sync:
-            deleted, points = sync.clean_source(
-                plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
-            )
-            report.documents_deleted += deleted
-            report.chunks_deleted += points
+            if full_sync:
+                deleted, points = sync.clean_source(
+                    plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
+                )
+                report.documents_deleted += deleted
+                report.chunks_deleted += points
+    except BaseException:
+        # Ctrl-C or a failure: the caller closes the clients next, under any batch
+        # still running (tracebacks, and with a Qdrant server, writes after the
+        # writers' lock is released).
+        _wind_down(sync, [future for future, _ in in_flight], log)
+        raise
     sync.finish(report)
     tell()
     return report
