@@ -212,6 +212,7 @@ def _dataset(
         ({"qrels": "q1\td1\n"}, r"test\.tsv:1", "got 2 columns"),
         ({"qrels": "q1\td1\t0\n"}, r"test\.tsv", "no document relevant"),
         ({"corpus": ""}, r"corpus\.jsonl", "no entry with a title or text"),
+        ({"qrels": "q1\tD1\t1\n"}, r"test\.tsv", r"none of the 1 documents .* 'D1'"),
         ({"corpus": '{"_id": "a", "text": " "}\n'}, r"corpus\.jsonl", "no entry with a title"),
     ],
 )
@@ -231,6 +232,14 @@ def test_qrels_forms_byte_order_mark_trec_columns_and_regrading(tmp_path: Path) 
     # The BOM does not hide q1; TREC's iteration column is not a corpus id; the last
     # grade of a pair stands, so q3's relevant pair was withdrawn.
     assert dataset.qrels == {"q1": {"d1": 1}, "q2": {"d2": 1}}
+
+
+def test_relevant_documents_missing_from_the_corpus_are_counted(tmp_path: Path) -> None:
+    # A header after a blank line is still a header.
+    qrels = "\nquery-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td9\t1\n"
+    dataset = load_beir(_dataset(tmp_path / "ds", qrels=qrels))
+    assert dataset.qrels == {"q1": {"d1": 1, "d9": 1}}
+    assert dataset.missing_relevant == ("d9",)
 
 
 def test_judged_queries_without_text_and_empty_entries_are_counted(tmp_path: Path) -> None:
@@ -260,6 +269,16 @@ def settings(monkeypatch: pytest.MonkeyPatch, tei: LocalTEIServer, tmp_path: Pat
     monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
     # Small chunks, so the long document d6 is several chunks aggregated back to one.
     return Settings(data_dir=tmp_path / "data", chunk_tokens=32, chunk_overlap=4)
+
+
+def test_a_relevant_document_missing_from_the_corpus_is_warned_about(
+    settings: Settings, tmp_path: Path
+) -> None:
+    root = _dataset(tmp_path / "ds", qrels="q1\td1\t1\nq1\tD2\t1\n")
+    result = run_evaluation(root, settings=settings, rerank=False)
+    [warning] = [w for w in result["warnings"] if "not in corpus.jsonl" in w]
+    assert warning.startswith("1 documents the qrels judge relevant") and "'D2'" in warning
+    assert result["recall@10"] == 0.5  # d1 found, D2 cannot be
 
 
 def test_run_evaluation_end_to_end(settings: Settings) -> None:

@@ -53,7 +53,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +199,8 @@ class BeirDataset:
     corpus_entries: int = 0
     empty_entries: int = 0
     corpus_sha256: str = ""  # taken while the corpus was checked
+    # Judged relevant but not in the corpus: no run can find them (scores are lower).
+    missing_relevant: tuple[str, ...] = ()
 
     @property
     def corpus_path(self) -> Path:
@@ -281,19 +283,23 @@ def _unique_json_lines(path: Path, digest: Any = None) -> Iterator[tuple[int, st
         yield number, item_id, item
 
 
-def check_corpus(path: Path) -> tuple[int, int, str]:
+def check_corpus(path: Path, judged: Collection[str] = ()) -> tuple[int, int, str, set[str]]:
     """Read ``corpus.jsonl`` once before anything is embedded.
 
-    Returns ``(entries, entries without text, sha256 of the file)``.
-    UnreadableDocument names the line of the first malformed entry or repeated id.
+    Returns ``(entries, entries without text, sha256 of the file, the ids of
+    ``judged`` found in it)``. UnreadableDocument names the line of the first
+    malformed entry or repeated id.
     """
     digest = hashlib.sha256()
     entries = empty = 0
+    found: set[str] = set()
     for number, doc_id, item in _unique_json_lines(path, digest):
         entry = _corpus_entry(path, number, doc_id, item)
         entries += 1
         empty += not entry.passage.strip()
-    return entries, empty, digest.hexdigest()
+        if doc_id in judged:
+            found.add(doc_id)
+    return entries, empty, digest.hexdigest(), found
 
 
 def load_queries(path: Path) -> dict[str, str]:
@@ -310,12 +316,12 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
 
     Lines are ``query-id corpus-id score`` (BEIR, tab-separated) or TREC's
     ``query-id iteration corpus-id score``; columns are split at tabs, or at
-    whitespace in a line without tabs. A first line whose score is not a number
-    is a header and skipped. A pair judged twice takes its last grade (as
+    whitespace in a line without tabs. A first (non-blank) line whose score is
+    not a number is a header and skipped. A pair judged twice takes its last grade (as
     pytrec_eval does).
     """
     qrels: dict[str, dict[str, int]] = {}
-    for number, line in _text_lines(path):
+    for position, (number, line) in enumerate(_text_lines(path)):
         text = line.rstrip("\r\n")
         fields = text.split("\t") if "\t" in text else text.split()
         if len(fields) not in (3, 4):
@@ -328,7 +334,7 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
         try:
             value = float(score)
         except ValueError:
-            if number == 1:
+            if position == 0:  # the first line that is not blank: a header
                 continue
             raise UnreadableDocument(
                 f"{path}:{number}", f"score {score!r} is not a number"
@@ -367,10 +373,19 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
             str(qrels_path), "judges no document relevant (no score above 0): nothing to measure"
         )
     judged = {qid: queries[qid] for qid in qrels if queries.get(qid, "").strip()}
-    entries, empty, sha256 = check_corpus(root / "corpus.jsonl")
+    relevant = {doc_id for qid in judged for doc_id in qrels[qid]}
+    entries, empty, sha256, found = check_corpus(root / "corpus.jsonl", relevant)
     if entries == empty:
         raise UnreadableDocument(
             str(root / "corpus.jsonl"), "has no entry with a title or text: nothing to index"
+        )
+    missing = sorted(relevant - found)
+    if relevant and not found:
+        # Every score would be 0: ids that differ in form (case, a prefix) from the corpus's.
+        raise UnreadableDocument(
+            str(qrels_path),
+            f"none of the {len(relevant)} documents it judges relevant is in corpus.jsonl "
+            f"(such as {', '.join(repr(i) for i in missing[:3])}; ids must match exactly)",
         )
     name = root.resolve().name or "dataset"
     return BeirDataset(
@@ -383,6 +398,7 @@ def load_beir(dataset_dir: str | Path, split: str = "test") -> BeirDataset:
         corpus_entries=entries,
         empty_entries=empty,
         corpus_sha256=sha256,
+        missing_relevant=tuple(missing),
     )
 
 
@@ -696,6 +712,13 @@ def _run(
     if dataset.skipped_queries:
         run.warnings.append(
             f"{dataset.skipped_queries} judged queries have no text in queries.jsonl: skipped"
+        )
+    if dataset.missing_relevant:
+        examples = ", ".join(repr(i) for i in dataset.missing_relevant[:3])
+        run.warnings.append(
+            f"{len(dataset.missing_relevant)} documents the qrels judge relevant are not in "
+            f"corpus.jsonl (such as {examples}): no ranking can find them, so every metric "
+            "is lower than the model's"
         )
     if dataset.empty_entries:
         run.warnings.append(
