@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows import quiet_quarry_tracebacks
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
@@ -160,6 +161,7 @@ def ingest_flow(
     Returns:
         The ingest summary (``IngestReport.to_dict()``).
     """
+    quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     started = time.monotonic()

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from flows import quiet_quarry_tracebacks
 from flows.ingest import one_writer, source_specs
 from quarry.chunking import Chunker
 from quarry.config import get_settings
@@ -48,6 +49,7 @@ def reindex_flow(
     Returns:
         The reindex report (``ReindexReport.to_dict()``).
     """
+    quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     specs = source_specs(from_source or [], include, exclude)

@@ -117,6 +117,25 @@ def test_flow_publishes_a_markdown_artifact(
     assert "| 1 | 0 | 1 | 0 | 0 |" in str(artifact.data)
 
 
+def test_a_flow_that_fails_on_purpose_logs_its_error_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As a deployment runs it: no CLI around it to install the filter first.
+    import logging
+
+    from flows.ingest import ingest_flow
+    from quarry.errors import SourceError
+
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    monkeypatch.setenv("QUARRY_EMBED_URL", "http://127.0.0.1:9")
+    with caplog.at_level(logging.ERROR, logger="prefect.flow_runs"):
+        with pytest.raises(SourceError):
+            ingest_flow(sources=[str(tmp_path / "absent")], collection="quiet")
+    failed = [r for r in caplog.records if "absent" in r.getMessage()]
+    assert failed and all(r.exc_info is None and not r.exc_text for r in failed)
+
+
 def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
