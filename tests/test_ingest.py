@@ -342,6 +342,21 @@ def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:
     assert harness.run(allow_mass_delete=True).documents_deleted == 3
 
 
+def test_a_mass_delete_found_after_writing_says_what_was_written(harness: Harness) -> None:
+    # One file renamed (1 of 4 gone: under the plan's guard) and one emptied: only
+    # reading finds that 2 of the 4 documents would go.
+    harness.run()
+    (harness.root / "alpha.md").rename(harness.root / "alpha2.md")
+    (harness.root / "beta.md").write_text("")
+    with pytest.raises(MassDeleteRefused) as refused:
+        harness.run()
+    assert "would delete 2 of the 4 documents" in str(refused.value)
+    assert "Nothing was deleted; the 1 new or changed documents" in str(refused.value)
+    uris = {str(p["payload"]["uri"]) for p in harness.points().values()}  # type: ignore[index]
+    assert {"corpus/alpha.md", "corpus/alpha2.md", "corpus/beta.md"} <= uris
+    assert harness.run(allow_mass_delete=True).documents_deleted == 2
+
+
 def test_unreadable_file_is_reported_and_the_rest_indexed(harness: Harness) -> None:
     (harness.root / "broken.md").write_bytes(b"\x00\x01\x02binary\xff\xfe" * 50)
     report = harness.run()

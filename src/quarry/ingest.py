@@ -979,11 +979,7 @@ def run_sync(
             while in_flight:
                 collect_oldest()
             if full_sync:
-                deleted, points = sync.clean_source(
-                    plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
-                )
-                report.documents_deleted += deleted
-                report.chunks_deleted += points
+                _clean(sync, plan, seen, failed_uris, report, allow_mass_delete)
     except BaseException:
         # Ctrl-C or a failure: the caller closes the clients next, under any batch
         # still running (tracebacks, and with a Qdrant server, writes after the
@@ -993,6 +989,32 @@ def run_sync(
     sync.finish(report)
     tell()
     return report
+
+
+def _clean(
+    sync: IndexSync,
+    plan: SourcePlan,
+    seen: set[str],
+    failed_uris: set[str],
+    report: IngestReport,
+    allow_mass_delete: bool,
+) -> None:
+    """Delete a source's documents that are gone, into ``report``."""
+    try:
+        deleted, points = sync.clean_source(
+            plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
+        )
+    except MassDeleteRefused as refused:
+        # Found only once the files were read (emptied ones, say): by then the new
+        # and changed documents were written, and they stay.
+        if not report.documents_embedded:
+            raise
+        raise MassDeleteRefused(
+            f"{refused} Nothing was deleted; the {report.documents_embedded} new or "
+            "changed documents this run embedded are written."
+        ) from None
+    report.documents_deleted += deleted
+    report.chunks_deleted += points
 
 
 def _pending_documents(
