@@ -402,7 +402,12 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                             )
                         continue
                     if target.is_dir():
-                        if not descend or target in visited or not _may_hold(spec, rel + "/"):
+                        if not descend or not _may_hold(spec, rel + "/"):
+                            continue
+                        if _inside(path.parent.resolve(), target):  # it holds the link itself
+                            found.append(_Found(rel, where, "symlink loop; not followed"))
+                            continue
+                        if target in visited:  # another way to a folder walked already
                             continue
                         visited.add(target)
                         stack.append((path, rel + "/"))
