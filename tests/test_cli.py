@@ -123,6 +123,13 @@ def test_chunk_json_shape(tmp_path: Path) -> None:
     assert (chunks[0]["uri"], chunks[0]["page"]) == (f"{tmp_path.name}/g.md", None)
 
 
+def test_chunk_of_a_file_without_text_says_so(tmp_path: Path) -> None:
+    (tmp_path / "blank.md").write_text("  \n\n\t\n")
+    result = run(["chunk", str(tmp_path / "blank.md")], {})
+    assert result.returncode == 0, result.stderr
+    assert "no text, so no chunks" in result.stdout
+
+
 def test_chunk_names_the_page_of_each_pdf_chunk(tmp_path: Path) -> None:
     from tests.test_sources import make_pdf
 
@@ -307,7 +314,8 @@ def test_an_ingest_meets_local_qdrant_held_by_another_process_before_prefect_sta
     settings = Settings(data_dir=tmp_path / "d")
     held = QdrantClient(path=str(settings.qdrant_path))  # as `quarry api` holds it
     try:
-        with pytest.raises(StoreLocked, match="in use by another quarry process"):
+        # The whole folder is held: no collection is named (an eval uses another).
+        with pytest.raises(StoreLocked, match=r"^local-mode Qdrant at .* in use by another"):
             _preflight(settings)
         writer_lock_path(settings).parent.mkdir(parents=True)
         # Held by another ingest (the writers' lock too): that one is waited for later.

@@ -366,6 +366,9 @@ def test_cli_function_prints_table_and_json(
     eval_command(TINY, settings=settings, rerank=False, as_json=False)
     out, _ = capsys.readouterr()
     assert "vector" in out and f"{result['ndcg@10']:.4f}" in out
+    # Not a terminal (a log, a pipe): the summary line is one line, not cut at 80 columns.
+    [summary] = [line for line in out.splitlines() if line.startswith("collection ")]
+    assert summary.endswith(" s") and "documents embedded this run" in summary
 
 
 def test_runs_on_services_it_is_given(settings: Settings) -> None:

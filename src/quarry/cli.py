@@ -350,6 +350,8 @@ def chunk(
     }
 
     def human() -> None:
+        if not chunks:
+            typer.echo(f"{file}: no text, so no chunks (an ingest indexes nothing of it)")
         for d, c in chunks:
             where = " > ".join(c.headings)
             page = d.metadata.get("page")

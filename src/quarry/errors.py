@@ -112,7 +112,14 @@ class StoreError(QuarryError):
 
 
 class StoreLocked(StoreError):
-    """Local-mode Qdrant admits one process at a time and another one holds it."""
+    """Local-mode Qdrant admits one process at a time and another one holds it.
+
+    The whole folder is held, whatever the collection: the message names the folder.
+    """
+
+    def __init__(self, collection: str, message: str) -> None:
+        self.collection = collection
+        QuarryError.__init__(self, message)  # not "collection 'x': ...": all are held
 
 
 class WriteFailed(StoreError):

@@ -884,9 +884,11 @@ def eval_command(
             dataset_dir, settings=settings, split=split, rerank=rerank, progress=printer
         )
     console = Console(stderr=as_json)
+    if not console.is_terminal:  # a log or a pipe: rich would wrap at 80 columns
+        console = Console(stderr=as_json, width=240)
     console.print(format_table(result))
     for warning in result["warnings"]:
-        console.print(f"warning: {warning}", style="yellow", markup=False)
+        console.print(f"warning: {warning}", style="yellow", markup=False, soft_wrap=True)
     timings = result["timings_s"]
     console.print(
         f"collection {result['collection']} ({result['ingest']['points']} points, "
@@ -894,6 +896,7 @@ def eval_command(
         f"{timings.get('total_s', 0):.1f} s",
         markup=False,
         highlight=False,
+        soft_wrap=True,
     )
     if as_json:
         print(json.dumps(result, indent=2), flush=True)
