@@ -25,6 +25,7 @@ from flows import quiet_quarry_tracebacks
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
+from quarry.errors import QuarryError
 from quarry.ingest import (
     PROGRESS_SECONDS,
     BatchResult,
@@ -165,33 +166,38 @@ def ingest_flow(
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     started = time.monotonic()
-    specs = source_specs(sources, include, exclude, missing_file_ok=True)
-    with (
-        one_writer(settings, settings.collection),
-        open_services(settings) as services,
-        _progress_reporter(logger, INGEST_PROGRESS.get()) as progress,
-    ):
-        sync = IndexSync(
-            services.store,
-            services.embedder,
-            Chunker(settings.chunk_tokens, settings.chunk_overlap),
-            embed_headings=settings.embed_headings,
-            max_delete_fraction=settings.max_delete_fraction,
-            allow_serving_change=settings.allow_serving_change,
-            canary_min_cosine=settings.canary_min_cosine,
-            trust_file_stamps=settings.trust_file_stamps and not reread,
-        )
-        report = run_sync(
-            sync,
-            specs,
-            full_sync=full_sync,
-            allow_mass_delete=allow_mass_delete,
-            max_file_bytes=settings.max_file_bytes,
-            submit=write_documents.submit,
-            window=settings.workers,
-            log=logger,
-            progress=progress,
-        )
+    try:
+        specs = source_specs(sources, include, exclude, missing_file_ok=True)
+        with (
+            one_writer(settings, settings.collection),
+            open_services(settings) as services,
+            _progress_reporter(logger, INGEST_PROGRESS.get()) as progress,
+        ):
+            sync = IndexSync(
+                services.store,
+                services.embedder,
+                Chunker(settings.chunk_tokens, settings.chunk_overlap),
+                embed_headings=settings.embed_headings,
+                max_delete_fraction=settings.max_delete_fraction,
+                allow_serving_change=settings.allow_serving_change,
+                canary_min_cosine=settings.canary_min_cosine,
+                trust_file_stamps=settings.trust_file_stamps and not reread,
+            )
+            report = run_sync(
+                sync,
+                specs,
+                full_sync=full_sync,
+                allow_mass_delete=allow_mass_delete,
+                max_file_bytes=settings.max_file_bytes,
+                submit=write_documents.submit,
+                window=settings.workers,
+                log=logger,
+                progress=progress,
+            )
+    except QuarryError as error:
+        # The UI's artifact for the collection says the last run failed, and why.
+        _publish_failure(settings.collection, sources, error, time.monotonic() - started)
+        raise
     elapsed = time.monotonic() - started
     logger.info(
         "ingest of %s: %d seen, %d skipped, %d embedded (%d chunks), %d deleted, %d failed "
@@ -207,6 +213,29 @@ def ingest_flow(
     )
     _publish_artifact(report, sources, elapsed)
     return report.to_dict()
+
+
+def _artifact_key(collection: str) -> str:
+    return f"ingest-{collection.lower().replace('_', '-')}"
+
+
+def _publish_failure(
+    collection: str, sources: list[str], error: QuarryError, elapsed: float
+) -> None:
+    lines = [
+        f"# Ingest of `{collection}` failed",
+        "",
+        f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}",
+        "",
+        f"After {elapsed:.1f} s: {error}",
+        "",
+        "Nothing it wrote is lost or doubled: a rerun picks up where it stopped.",
+    ]
+    create_markdown_artifact(
+        markdown="\n".join(lines),
+        key=_artifact_key(collection),
+        description=f"quarry ingest summary for {collection} (failed)",
+    )
 
 
 def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) -> None:
@@ -229,6 +258,6 @@ def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) 
         ]
     create_markdown_artifact(
         markdown="\n".join(lines),
-        key=f"ingest-{report.collection.lower().replace('_', '-')}",
+        key=_artifact_key(report.collection),
         description=f"quarry ingest summary for {report.collection}",
     )

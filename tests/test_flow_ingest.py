@@ -134,6 +134,12 @@ def test_a_flow_that_fails_on_purpose_logs_its_error_without_a_traceback(
             ingest_flow(sources=[str(tmp_path / "absent")], collection="quiet")
     failed = [r for r in caplog.records if "absent" in r.getMessage()]
     assert failed and all(r.exc_info is None and not r.exc_text for r in failed)
+    # The collection's summary artifact says the last run failed, and why.
+    from prefect.artifacts import Artifact
+
+    artifact = Artifact.get("ingest-quiet")
+    assert artifact is not None and "failed" in str(artifact.data)
+    assert "absent" in str(artifact.data)
 
 
 def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
