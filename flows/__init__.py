@@ -99,6 +99,9 @@ def _say_when_stopped(
         yield
     except KeyboardInterrupt:
         code = 143 if terminated else 130
+        if previous is not None:  # a second signal ends the process as it would have
+            signal.signal(signal.SIGTERM, previous)
+            previous = None
         sys.stderr.write(f"\n{said}\n")
         sys.stderr.flush()
         if on_stop is not None:

@@ -195,8 +195,12 @@ def ingest_flow(
                 progress=progress,
             )
     except QuarryError as error:
-        # The UI's artifact for the collection says the last run failed, and why.
-        _publish_failure(settings.collection, sources, error, time.monotonic() - started)
+        # The UI's artifact for the collection says the last run failed, and why; a
+        # Prefect API that cannot take it must not hide the error itself.
+        try:
+            _publish_failure(settings.collection, sources, error, time.monotonic() - started)
+        except Exception as publishing:
+            logger.warning("could not publish the failure artifact: %s", publishing)
         raise
     elapsed = time.monotonic() - started
     logger.info(

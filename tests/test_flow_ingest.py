@@ -141,6 +141,14 @@ def test_a_flow_that_fails_on_purpose_logs_its_error_without_a_traceback(
     assert artifact is not None and "failed" in str(artifact.data)
     assert "absent" in str(artifact.data)
 
+    # A Prefect API that cannot take the artifact does not hide the error itself.
+    def unreachable(**kwargs: object) -> None:
+        raise ConnectionError("All connection attempts failed")
+
+    monkeypatch.setattr("flows.ingest.create_markdown_artifact", unreachable)
+    with pytest.raises(SourceError):
+        ingest_flow(sources=[str(tmp_path / "absent")], collection="quiet")
+
 
 def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch

@@ -129,6 +129,79 @@ def test_an_interrupted_run_leaves_no_batch_running_under_closed_clients(
         assert harness.run().documents_embedded == 300 - written
 
 
+def test_a_ctrl_c_while_waiting_for_a_batch_still_winds_that_batch_down(
+    tmp_path: Path,
+) -> None:
+    # Ctrl-C mostly lands while run_sync waits for the oldest batch's result.
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    class WaitInterrupted:
+        def __init__(self, inner: Future[Any]) -> None:
+            self.wrapped_future = inner  # as a Prefect future wraps its own
+
+        def result(self) -> Any:
+            raise KeyboardInterrupt
+
+    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=300.0)
+    with LocalTEIServer(slow) as server, ThreadPoolExecutor(2) as pool:
+        harness = Harness(tmp_path, server.url)
+        running: list[Future[Any]] = []
+
+        def submit(sync: IndexSync, batch: list[Any]) -> WaitInterrupted:
+            running.append(pool.submit(sync.write_batch, batch))
+            return WaitInterrupted(running[-1])
+
+        with pytest.raises(KeyboardInterrupt):
+            harness.run(submit=submit)
+        assert len(running) == 1 and running[0].done()  # waited for, not left running
+        assert running[0].exception() is None
+
+
+def test_a_batch_stopped_while_it_writes_deletes_no_stale_chunks(
+    harness: Harness, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stop() waits out the batch's whole write, upserts and deletes alike; a batch
+    # that sees the stop between them leaves its stale chunks (no delete after the
+    # writers' lock is released), and the next sync mends the document.
+    import threading
+
+    harness.run(chunker=Chunker(16, 0))
+    (harness.root / "notes/gamma.txt").write_text("Gamma rays, in short.")
+    store = VectorStore(open_client(harness.settings), "test")
+    embedder = EmbeddingClient(tei.url, retry=NO_WAIT)
+    sync = IndexSync(store, embedder, Chunker(16, 0))
+    stopper = threading.Thread(target=sync.stop)
+    upsert = VectorStore.upsert
+
+    def upsert_then_stop(self: VectorStore, *args: Any, **kwargs: Any) -> None:
+        upsert(self, *args, **kwargs)
+        if not stopper.is_alive():
+            stopper.start()  # its stop() waits for this write to end
+            stopper.join(0.5)
+            assert stopper.is_alive()
+
+    monkeypatch.setattr(VectorStore, "upsert", upsert_then_stop)
+    try:
+        run_sync(sync, [open_source(harness.root)])
+        stopper.join(10)
+        state = {s.uri: s for s in store.index_state().values()}["corpus/notes/gamma.txt"]
+    finally:
+        monkeypatch.undo()
+        store.close()
+        embedder.close()
+    assert not state.is_complete()  # the new chunk 0 beside the old version's others
+    assert harness.run(chunker=Chunker(16, 0)).documents_embedded == 1
+    assert {s.uri: s for s in _states(harness)}["corpus/notes/gamma.txt"].is_complete()
+
+
+def _states(harness: Harness) -> list[Any]:
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+        return list(store.index_state().values())
+    finally:
+        store.close()
+
+
 def test_first_run_embeds_everything(harness: Harness) -> None:
     report = harness.run()
     assert report.documents_seen == 4
@@ -351,7 +424,9 @@ def test_a_mass_delete_found_after_writing_says_what_was_written(harness: Harnes
     with pytest.raises(MassDeleteRefused) as refused:
         harness.run()
     assert "would delete 2 of the 4 documents" in str(refused.value)
-    assert "Nothing was deleted; the 1 new or changed documents" in str(refused.value)
+    assert "Nothing was deleted from source 'corpus'; the 1 new or changed documents" in str(
+        refused.value
+    )
     uris = {str(p["payload"]["uri"]) for p in harness.points().values()}  # type: ignore[index]
     assert {"corpus/alpha.md", "corpus/alpha2.md", "corpus/beta.md"} <= uris
     assert harness.run(allow_mass_delete=True).documents_deleted == 2

@@ -435,7 +435,8 @@ class IndexSync:
         self._stopping.set()
         self.embedder.cancel_pending()
         with self._writing:
-            self._writing.wait_for(lambda: self._writes_under_way == 0)
+            # Bounded: a write stuck on a store that does not answer holds no one for ever.
+            self._writing.wait_for(lambda: self._writes_under_way <= 0, WIND_DOWN_SECONDS)
 
     def write_batch(self, documents: Sequence[Document]) -> BatchResult:
         """Chunk, embed and write ``documents``; a bad document fails alone."""
@@ -503,32 +504,49 @@ class IndexSync:
             written.append((document, len(doc_points)))
             result.tokens_embedded += sum(chunk.token_count for chunk in chunks)
 
-        with self._writing:
-            if self._stopping.is_set():
+        with self._write_slot() as open_:
+            if not open_:
                 return result
-            self._writes_under_way += 1
-        try:
             failed_writes = self._upsert(points, written)
-        finally:
-            with self._writing:
-                self._writes_under_way -= 1
-                self._writing.notify_all()
-        for document, count in written:
-            if document.doc_id in failed_writes:
-                result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
-                continue
-            try:
-                if self._may_have_points(document):
-                    self.store.delete_stale_chunks(document.doc_id, count)
-            except QuarryError as error:
-                result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
-                continue
-            before = self._planned_documents.get(document.doc_id)
-            if before is not None:
-                result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
-            result.documents_embedded += 1
-            result.chunks_embedded += count
+            for document, count in written:
+                if document.doc_id in failed_writes:
+                    result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
+                    continue
+                if self._stopping.is_set():
+                    # Its stale chunks stay: the document reads as incomplete, and the
+                    # next sync mends it.
+                    continue
+                try:
+                    if self._may_have_points(document):
+                        self.store.delete_stale_chunks(document.doc_id, count)
+                except QuarryError as error:
+                    result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
+                    continue
+                before = self._planned_documents.get(document.doc_id)
+                if before is not None:
+                    result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
+                result.documents_embedded += 1
+                result.chunks_embedded += count
         return result
+
+    @contextmanager
+    def _write_slot(self) -> Iterator[bool]:
+        """A batch's writes (upserts, then deletes of stale chunks), which stop() waits
+        out; False, and nothing held, once the run is stopping."""
+        held = False
+        try:
+            with self._writing:
+                if self._stopping.is_set():
+                    yield False
+                    return
+                held = True  # first: a signal between the two costs a count, not a hang
+                self._writes_under_way += 1
+            yield True
+        finally:
+            if held:
+                with self._writing:
+                    self._writes_under_way -= 1
+                    self._writing.notify_all()
 
     def _may_have_points(self, document: Document) -> bool:
         """False only for a document that had no points when this run's plan read its source.
@@ -945,8 +963,9 @@ def run_sync(
     unwritten: collections.Counter[str] = collections.Counter()
 
     def collect_oldest() -> None:
-        future, batch_files = in_flight.popleft()
-        _collect(future, report, log)
+        future, batch_files = in_flight[0]
+        _collect(future, report, log)  # a Ctrl-C while it waits leaves it for _wind_down
+        in_flight.popleft()
         for uri in batch_files:
             unwritten[uri] -= 1
             if not unwritten[uri]:
@@ -1009,9 +1028,15 @@ def _clean(
         # and changed documents were written, and they stay.
         if not report.documents_embedded:
             raise
+        earlier = (
+            f" ({report.documents_deleted} documents of the sources before it were)"
+            if report.documents_deleted
+            else ""
+        )
         raise MassDeleteRefused(
-            f"{refused} Nothing was deleted; the {report.documents_embedded} new or "
-            "changed documents this run embedded are written."
+            f"{refused} Nothing was deleted from source {plan.spec.name!r}{earlier}; the "
+            f"{report.documents_embedded} new or changed documents this run embedded "
+            "are written."
         ) from None
     report.documents_deleted += deleted
     report.chunks_deleted += points
