@@ -402,12 +402,9 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                             )
                         continue
                     if target.is_dir():
-                        if not descend or not _may_hold(spec, rel + "/"):
-                            continue
-                        if _inside(path.parent.resolve(), target):  # it holds the link itself
-                            found.append(_Found(rel, where, "symlink loop; not followed"))
-                            continue
-                        if target in visited:  # another way to a folder walked already
+                        # A folder walked already (an ancestor: a loop; or a sibling):
+                        # its files are indexed once, under the way it was first reached.
+                        if not descend or target in visited or not _may_hold(spec, rel + "/"):
                             continue
                         visited.add(target)
                         stack.append((path, rel + "/"))
