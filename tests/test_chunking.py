@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import itertools
 import os
 import subprocess
@@ -320,6 +322,123 @@ def test_long_run_without_whitespace_is_cut_by_tokens() -> None:
     chunks = chunks_of(text, 32, 4)
     assert all(c.token_count <= 32 for c in chunks)
     assert chunks[-1].char_end == len(text)
+
+
+# Text written without spaces: Japanese and Chinese sentences end in 。！？ and the
+# next one follows at once.
+JA_SUBJECTS = (
+    "検索システムは",
+    "この文書は",
+    "私たちのチームは",
+    "新しいモデルは",
+    "利用者は",
+    "東京の会社は",
+)
+JA_PREDICATES = (
+    "文書を小さな単位に分割します",
+    "結果を順番に並べます",
+    "質問に答えを返します",
+    "大量のデータを処理します",
+    "毎日新しい情報を集めます",
+    "ベクトルを計算して保存します",
+    "重要な部分を見つけます",
+)
+ZH_SUBJECTS = ("检索系统", "这个模型", "我们的团队", "用户", "数据库")
+ZH_PREDICATES = (
+    "把文档切成小块",
+    "计算向量并保存",
+    "回答用户的问题",
+    "每天收集新的资料",
+    "按顺序排列结果",
+)
+STOPS = ("。", "！", "？", "。", "。")
+
+
+def spaceless_sentences(subjects: tuple[str, ...], predicates: tuple[str, ...], n: int) -> str:
+    pairs = itertools.cycle(itertools.product(subjects, predicates))
+    return "".join(
+        s + p + STOPS[i % len(STOPS)] for i, (s, p) in zip(range(n), pairs, strict=False)
+    )
+
+
+def overlap_tokens(text: str, before: Chunk, after: Chunk) -> int:
+    return tiktoken_count(text[after.char_start : before.char_end])
+
+
+@pytest.mark.parametrize(("max_tokens", "overlap"), [(256, 32), (100, 16)])
+@pytest.mark.parametrize(
+    "text",
+    [
+        spaceless_sentences(JA_SUBJECTS, JA_PREDICATES, 300),
+        spaceless_sentences(ZH_SUBJECTS, ZH_PREDICATES, 300),
+    ],
+    ids=["japanese", "chinese"],
+)
+def test_cjk_text_is_cut_at_sentence_ends_and_overlaps(
+    text: str, max_tokens: int, overlap: int
+) -> None:
+    chunks = chunks_of(text, max_tokens, overlap, "text")
+    assert len(chunks) > 3
+    assert chunks[0].char_start == 0 and chunks[-1].char_end == len(text)
+    for chunk in chunks:
+        assert chunk.token_count == tiktoken_count(chunk.text) <= max_tokens
+    # Sentences are far shorter than a chunk: every chunk but the last ends one,
+    # never inside a word.
+    for chunk in chunks[:-1]:
+        assert chunk.text.endswith(("。", "！", "？")), chunk.text[-12:]
+    shared = []
+    for before, after in itertools.pairwise(chunks):
+        assert before.char_start < after.char_start < before.char_end < after.char_end
+        count = overlap_tokens(text, before, after)
+        assert 0 < count <= overlap
+        shared.append(count)
+    assert sum(shared) / len(shared) >= overlap / 2  # about what was asked, not a token or two
+
+
+def test_closing_brackets_stay_with_their_cjk_sentence() -> None:
+    text = "「これは引用です。」と彼は言った。３．５倍になりました．" * 120
+    chunks = chunks_of(text, 64, 8, "text")
+    assert len(chunks) > 3
+    for chunk in chunks[:-1]:
+        assert chunk.text.endswith(("」", "った。", "した．")), chunk.text[-12:]
+        assert chunk.token_count == tiktoken_count(chunk.text) <= 64
+
+
+def spaceless_line(n: int) -> str:
+    """``n`` characters of base64: no space, no line break, no sentence end."""
+    parts, block = [], b"quarry"
+    while sum(map(len, parts)) < n:
+        block = hashlib.sha256(block).digest()
+        parts.append(base64.b64encode(block).decode("ascii").rstrip("="))
+    return "".join(parts)[:n]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        spaceless_line(60_000),
+        "検索システムは文書を小さな単位に分割して、" * 400,  # no sentence end at all
+        "👍\U0001f3fd\U0001f1ef\U0001f1f5😀👨\u200d👩\u200d👧e\u0301\u0300" * 500,
+    ],
+    ids=["base64", "cjk-without-stops", "emoji"],
+)
+def test_text_without_spaces_gets_overlap(text: str) -> None:
+    chunks = chunks_of(text, 256, 32, "text")
+    assert len(chunks) > 3
+    assert chunks[0].char_start == 0 and chunks[-1].char_end == len(text)
+    for chunk in chunks:
+        assert chunk.text == text[chunk.char_start : chunk.char_end]
+        assert chunk.token_count == tiktoken_count(chunk.text) <= 256
+    for before, after in itertools.pairwise(chunks):
+        assert before.char_start < after.char_start < before.char_end < after.char_end
+        assert 0 < overlap_tokens(text, before, after) <= 32
+        # The overlap starts at a character of its own, not a modifier, joiner or
+        # mark of the one before, nor between the two letters of a flag.
+        start, previous = text[after.char_start], text[after.char_start - 1]
+        assert start not in "\u0300\u0301\u200d\U0001f3fd" and previous != "\u200d"
+        assert not (
+            "\U0001f1e6" <= start <= "\U0001f1ff" and "\U0001f1e6" <= previous <= "\U0001f1ff"
+        )
 
 
 def test_chunking_streams_instead_of_encoding_the_whole_text() -> None:

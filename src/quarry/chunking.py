@@ -24,9 +24,12 @@ large file never becomes one big token list:
    holds a quarter of ``max_tokens``; a small last piece is merged into (or
    rebalanced with) its neighbour. Each chunk after a non-heading boundary
    starts with up to ``overlap`` tokens of the previous chunk's tail, begun
-   between two words (or at a line start). A chunk's breadcrumb is the
-   headings that enclose all of its own text (the common prefix of its units'
-   breadcrumbs).
+   between two words (or at a line start). Where the tail has no such place
+   (text written without spaces, such as Chinese or Japanese, or a long run
+   without whitespace), the overlap starts at a sentence start that keeps at
+   least half of ``overlap`` tokens, else at a token boundary. A chunk's
+   breadcrumb is the headings that enclose all of its own text (the common
+   prefix of its units' breadcrumbs).
 
 Exact token counts without re-encoding. tiktoken first cuts a text into pieces
 with a regex and then runs BPE inside each piece, so a text cut at a place that
@@ -37,9 +40,13 @@ and that holds a non-space character (the newline before it always ends a
 piece), and a space or tab that follows a non-space character (no piece runs
 from a non-space character into the whitespace after it, unless that
 whitespace is a newline after punctuation). Every structural boundary, and
-every sentence, line and word cut, is such a place, so a chunk's token count
-is the sum of its units' counts. Cuts that cannot be placed at such a place
-(inside a long run without whitespace) are re-counted, and the chunk shrunk
+every line and word cut and every sentence cut after a space, is such a place,
+so a chunk's token count is the sum of its units' counts. Cuts that cannot be
+placed at such a place (inside a long run without whitespace, or right after
+a fullwidth terminator such as 。！？ where the next sentence follows with no
+space: the terminator can join the next letters in one piece) are counted on
+each side by encoding, a chunk across one is re-counted, and the chunk shrunk
+(its last units left to the next chunk, then its overlap shortened or dropped)
 until ``count_tokens(chunk.text) <= max_tokens``.
 
 Every character of a document that is not all whitespace lies in some chunk:
@@ -58,6 +65,7 @@ import hashlib
 import importlib
 import itertools
 import re
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +80,8 @@ from quarry.errors import ConfigError
 ENCODING_NAME = "cl100k_base"
 # Bump whenever the chunks a text gives can change: the version is recorded with
 # a collection, and a new version re-chunks every document on the next sync.
-CHUNKER_VERSION = 1
+# 2: sentence cuts after fullwidth terminators (。！？), overlap for text without spaces.
+CHUNKER_VERSION = 2
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -224,17 +233,59 @@ _LINE = re.compile(_LINE_KINDS, re.M | re.X)
 _STARTABLE = re.compile(r"[ \t]*\S")
 _ATX_TITLE = re.compile(r"[ ]{0,3}\#{1,6}[ \t]+(.*?)(?:[ \t]+\#+)?[ \t]*$")
 
-# Cut candidates inside a unit; each position is a token-additive place.
+# Cut candidates inside a unit. Each is a token-additive place (see the module
+# docstring) but one: a cut right after a fullwidth terminator (。！？ and kin, as
+# Chinese and Japanese write them, with no space after) followed by a non-space,
+# where the terminator or a closing bracket may join the next letters in one
+# tokenizer piece. ``_additive`` tells them apart; such a cut's two sides are counted
+# on their own, and a chunk across one is counted again.
+_CJK_STOPS = "。！？｡︒︕︖"
+_CLOSERS = ")\\]\"'’”»」』）］｝〕〗〙〛〉》】〞〟＂＇"
+# One character class first, so the regex engine skips to the next terminator fast;
+# ． (fullwidth full stop) is no cut before a digit (a decimal point).
 _SENTENCE_CUT = re.compile(
-    r"[.!?…。！？][)\]\"'’”»]*(?:(?=[ \t]+[^\sa-z])|\n(?=[ \t]*\S)|(?<=[。！？]))"
+    rf"[.!?…{_CJK_STOPS}．](?:[{_CLOSERS}]*(?:(?=[ \t]+[^\sa-z])|\n(?=[ \t]*\S))"
+    rf"|(?<=[{_CJK_STOPS}．])[{_CLOSERS}]*(?![\s{_CJK_STOPS}．{_CLOSERS}])"
+    r"(?:(?<!．)|(?![0-9０-９])))"
 )
 _LINE_CUT = re.compile(r"\n(?=[ \t]*\S)")
 _WORD_CUT = re.compile(r"\S(?=[ \t])")
 # Where an overlap may start: a space or tab after a non-space, or a line start.
 _OVERLAP_START = re.compile(r"(?<=\S)[ \t]|(?<=\n)(?=[ \t]*\S)")
 _CUT_PATTERNS = {SENTENCE: _SENTENCE_CUT, LINE: _LINE_CUT, WORD: _WORD_CUT}
-# A cut right after one of these is not a piece boundary (the next letters join it).
-_UNSAFE_BEFORE = frozenset("。！？")
+
+
+def _additive(text: str, pos: int) -> bool:
+    """Whether a cut at ``pos`` (``0 < pos < len(text)``) is a token-additive place.
+
+    A line start that holds a non-space character, or a space or tab after a
+    non-space character: no ``cl100k_base`` pre-tokenizer piece runs across either.
+    """
+    before = text[pos - 1]
+    if before == "\n":
+        return _STARTABLE.match(text, pos) is not None
+    return text[pos] in " \t" and not before.isspace()
+
+
+def _inside_cluster(text: str, pos: int) -> bool:
+    """Whether ``text[pos]`` belongs with the character before it.
+
+    A combining mark, a joiner, a variation selector, an emoji modifier or tag,
+    the second of two regional indicators (a flag), the character after a zero
+    width joiner, or the newline of a ``\\r\\n``: an overlap that starts at a
+    token boundary does not start there.
+    """
+    char, before = text[pos], text[pos - 1]
+    if before == "\u200d" or (before == "\r" and char == "\n"):
+        return True
+    if "\U0001f1e6" <= char <= "\U0001f1ff" and "\U0001f1e6" <= before <= "\U0001f1ff":
+        return True
+    return (
+        unicodedata.category(char)[0] == "M"
+        or char in "\u200c\u200d"
+        or "\U0001f3fb" <= char <= "\U0001f3ff"
+        or "\U000e0020" <= char <= "\U000e007f"
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -617,7 +668,7 @@ class Chunker:
             spans = (
                 ((start, end, current.level, True),)
                 if end - start <= self._window_chars
-                else self._windows(text, start, end, current.level)
+                else self._windows(text, start, end, current.level, cuts[0] == SENTENCE)
             )
             # The common case is one short span that fits: one unit, counted by pieces.
             for s, e, lvl, seam in spans:
@@ -657,7 +708,10 @@ class Chunker:
         """A long unit of prose: encode it sentence by sentence (no token-offset mapping needed).
 
         Sentence cuts are token-additive, so the sentences' counts add up to the
-        unit's; a unit that turns out to fit is kept whole.
+        unit's; a unit that turns out to fit is kept whole. A cut right after a
+        fullwidth terminator is not (see ``_additive``): the sentence after it
+        starts a unit that is not a seam, and the packer counts a chunk across it
+        again.
         """
         encode = get_encoding().encode_ordinary
         limit = self._unit_max
@@ -669,7 +723,7 @@ class Chunker:
         previous = 0
         for m in _SENTENCE_CUT.finditer(segment):
             cut = m.end()
-            if cut >= n or segment[cut - 1] in _UNSAFE_BEFORE:
+            if cut >= n:
                 continue
             if cut - bounds[-1] > group and previous > bounds[-1]:
                 bounds.append(previous)
@@ -677,16 +731,27 @@ class Chunker:
         if n - bounds[-1] > group and previous > bounds[-1]:
             bounds.append(previous)
         bounds.append(n)
-        ps = pretokenize(segment)
+        # Whether each group starts at a token-additive place (ASCII has no fullwidth stop).
+        seams = (
+            [True] * len(bounds)
+            if segment.isascii()
+            else [True, *(_additive(segment, b) for b in bounds[1:-1])]
+        )
+        additive = all(seams)
+        ps = pretokenize(segment) if additive else None
         if ps is not None:
             piece_units = self._sentence_pieces(
-                ps, segment, base, bounds, level, seam, crumbs, heading_only, cuts[1:]
+                ps, segment, base, bounds, level, seam, crumbs, heading_only, cuts
             )
             if piece_units is not None:
                 yield from piece_units
                 return
         pieces = [encode(segment[a:b]) for a, b in itertools.pairwise(bounds)]
         total = sum(map(len, pieces))
+        if total <= limit and not additive:  # the sum is not the count: count the whole
+            whole = encode(segment)
+            if len(whole) <= limit:
+                pieces, total = [whole], len(whole)
         if total <= limit or len(pieces) == 1:
             toks = pieces[0] if len(pieces) == 1 else list(itertools.chain.from_iterable(pieces))
             if total <= limit:
@@ -698,13 +763,13 @@ class Chunker:
             return
         for k, toks in enumerate(pieces):
             a, b = bounds[k], bounds[k + 1]
-            lvl, sm = (level, seam) if k == 0 else (SENTENCE, True)
+            lvl, sm = (level, seam) if k == 0 else (SENTENCE, seams[k])
             if len(toks) <= limit:
                 yield _Unit(
                     base + a, base + b, lvl, crumbs, len(toks), toks, 0, len(toks), True, sm
                 )
-            else:
-                yield from self._refine(segment[a:b], base + a, toks, lvl, sm, crumbs, cuts[1:])
+            else:  # a group over the limit is cut at its sentences first, if it has several
+                yield from self._refine(segment[a:b], base + a, toks, lvl, sm, crumbs, cuts)
 
     def _sentence_pieces(
         self,
@@ -783,20 +848,29 @@ class Chunker:
         return units
 
     def _windows(
-        self, text: str, start: int, end: int, level: int
+        self, text: str, start: int, end: int, level: int, prose: bool
     ) -> Iterator[tuple[int, int, int, bool]]:
-        """Cut a span longer than the window size at lines, words or (last resort) characters."""
+        """Cut a span longer than the window size at lines, sentences, words or characters.
+
+        Sentences only in ``prose``; characters as a last resort (a cut that is no seam).
+        """
         cap = self._window_chars
         seam = True
+        patterns = (
+            ((_LINE_CUT, LINE), (_SENTENCE_CUT, SENTENCE), (_WORD_CUT, WORD))
+            if prose
+            else ((_LINE_CUT, LINE), (_WORD_CUT, WORD))
+        )
         while end - start > cap:
             lo, hi = start + cap // 2, start + cap
             cut, cut_level, cut_seam = hi, TOKEN, False
-            for pattern, lvl in ((_LINE_CUT, LINE), (_WORD_CUT, WORD)):
-                last = None
+            for pattern, lvl in patterns:
+                last = -1
                 for found in pattern.finditer(text, lo, hi):
-                    last = found
-                if last is not None:
-                    cut, cut_level, cut_seam = last.end(), lvl, True
+                    if found.end() < hi:  # (a match at ``hi`` has not seen what follows)
+                        last = found.end()
+                if last > 0:
+                    cut, cut_level, cut_seam = last, lvl, _additive(text, last)
                     break
             yield start, cut, level, seam
             start, level, seam = cut, cut_level, cut_seam
@@ -894,7 +968,7 @@ class Chunker:
                 indices.append(j)
                 # Safe: a token boundary of a kind that is always a pre-tokenizer
                 # piece boundary (see the module docstring).
-                safe.append(exact and segment[p - 1] not in _UNSAFE_BEFORE)
+                safe.append(exact and _additive(segment, p))
             indices.append(t1)
             safe.append(True)
             rest = cuts[i + 1 :]
@@ -1129,7 +1203,13 @@ class _Packer:
             if len(units) > 1:
                 pushback.insert(0, units.pop())
             elif ostart < units[0].start:
-                ostart, ocount = units[0].start, 0
+                # The overlap does not fit. Where the chunk's count is not the sum of
+                # its parts (the unit after the overlap is no seam), a shorter one may.
+                shorter = None
+                if not units[0].seam and ocount > real - self.max:
+                    budget = ocount - (real - self.max)
+                    shorter = self._overlap_in_text(ostart, units[0].start, budget)
+                ostart, ocount = shorter or (units[0].start, 0)
             else:  # a single unit over the limit: cut it into exact token windows
                 unit = units[0]
                 pieces = list(
@@ -1144,11 +1224,87 @@ class _Packer:
         """Overlap for the chunk after ``spec``: at most ``overlap`` of its tail tokens.
 
         The overlap starts at a token-additive place (a space after a word, or a
-        line start), so its count is read off the tokens already known.
+        line start), so its count is read off the tokens already known. A tail
+        without one (text written without spaces, a long run of symbols) gets
+        an overlap from :meth:`_overlap_in_text`, counted by encoding it.
         """
-        cut = spec.units[-1].end
         if self.overlap == 0 or nxt.level == HEADING:
             return nxt.start, 0
+        found = self._overlap_at_words(spec, nxt)
+        if found[1]:
+            return found
+        floor, cut = spec.units[0].start, spec.units[-1].end
+        return self._overlap_in_text(floor, cut, self.overlap) or found
+
+    def _overlap_in_text(self, floor: int, cut: int, budget: int) -> tuple[int, int] | None:
+        """An overlap of 1 to ``budget`` tokens ending at ``cut`` and starting after ``floor``.
+
+        For a tail where no overlap starts at a word: the earliest sentence
+        start, word or line start that keeps at least half of ``budget``
+        tokens, else the earliest token boundary (of the tail encoded on its
+        own; at a character, not inside one nor inside a cluster such as a
+        flag) that keeps at most ``budget``. Counted by encoding, so it
+        depends on the text alone. None when no place fits.
+        """
+        text = self.text
+        if budget <= 0 or cut - floor < 2:
+            return None
+        encode = get_encoding().encode_ordinary
+        width = 4 * budget + 8  # characters; grown until the window holds over ``budget`` tokens
+        while True:
+            lo = max(floor + 1, cut - width)
+            toks = encode(text[lo:cut])
+            if len(toks) > budget or lo == floor + 1:
+                break
+            width *= 4
+        window = text[lo:cut]
+        # ends[k]: the window's UTF-8 bytes up to the end of its token k.
+        ends = list(itertools.accumulate(map(_token_byte_lengths().__getitem__, toks)))
+        ascii_window = window.isascii()
+        # byte_of[i]: the window's UTF-8 bytes before its character i.
+        byte_of = (
+            range(len(window) + 1)
+            if ascii_window
+            else list(itertools.accumulate(map(_utf8_len, window), initial=0))
+        )
+        ntoks = len(toks)
+        half = (budget + 1) // 2
+        places = {m.start() for m in _OVERLAP_START.finditer(text, lo, cut)}
+        places.update(m.end() for m in _SENTENCE_CUT.finditer(text, lo, cut))
+        for place in sorted(places):
+            if not floor < place < cut:
+                continue
+            # Tokens of the window from ``place`` on: an estimate, to skip the long ones.
+            if ntoks - bisect.bisect_right(ends, byte_of[place - lo]) > budget + 2:
+                continue
+            tail = text[place:cut]
+            if tail.isspace():
+                break
+            count = count_tokens(tail)
+            if count <= budget:
+                if count >= half:
+                    return place, count
+                break
+        char_at = None if ascii_window else {b: i for i, b in enumerate(byte_of)}
+        for k in range(max(1, ntoks - budget), ntoks):
+            offset = ends[k - 1]
+            index = offset if char_at is None else char_at.get(offset)
+            if index is None:
+                continue  # inside a character
+            place = lo + index
+            if place <= floor or _inside_cluster(text, place):
+                continue
+            tail = text[place:cut]
+            if tail.isspace():
+                break
+            count = count_tokens(tail)
+            if count <= budget:
+                return place, count
+        return None
+
+    def _overlap_at_words(self, spec: _Spec, nxt: _Unit) -> tuple[int, int]:
+        """:meth:`_overlap_for` at a token-additive place; ``(nxt.start, 0)`` when none fits."""
+        cut = spec.units[-1].end
         floor = spec.units[0].start  # never reach into the chunk before
         if spec.units[-1].pieces:
             found = self._overlap_from_pieces(spec, nxt, floor)
@@ -1204,7 +1360,7 @@ class _Packer:
         fewer than ``overlap`` tokens: a piece starting with a space or tab
         after a printable character, or a printable piece at a line start. The
         same places the token tables find, one word at a time, so the chunks
-        are those of chunker version 1. None when the tail reaches into a unit
+        are those the token path gives. None when the tail reaches into a unit
         held as tokens or across a seam; the token path then decides.
         """
         limit = self.overlap
