@@ -267,6 +267,13 @@ def _additive(text: str, pos: int) -> bool:
     return text[pos] in " \t" and not before.isspace()
 
 
+def _tail_tokens(text: str, place: int, cut: int) -> int | None:
+    """Tokens of ``text[place:cut]``, an overlap that would start at ``place``; None
+    when that is whitespace only (no later place can start one either)."""
+    tail = text[place:cut]
+    return None if tail.isspace() else count_tokens(tail)
+
+
 def _inside_cluster(text: str, pos: int) -> bool:
     """Whether ``text[pos]`` belongs with the character before it.
 
@@ -1277,10 +1284,9 @@ class _Packer:
             # Tokens of the window from ``place`` on: an estimate, to skip the long ones.
             if ntoks - bisect.bisect_right(ends, byte_of[place - lo]) > budget + 2:
                 continue
-            tail = text[place:cut]
-            if tail.isspace():
+            count = _tail_tokens(text, place, cut)
+            if count is None:
                 break
-            count = count_tokens(tail)
             if count <= budget:
                 if count >= half:
                     return place, count
@@ -1294,10 +1300,9 @@ class _Packer:
             place = lo + index
             if place <= floor or _inside_cluster(text, place):
                 continue
-            tail = text[place:cut]
-            if tail.isspace():
+            count = _tail_tokens(text, place, cut)
+            if count is None:
                 break
-            count = count_tokens(tail)
             if count <= budget:
                 return place, count
         return None
