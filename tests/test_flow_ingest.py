@@ -189,7 +189,7 @@ def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() ->
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_run_stopped_under_a_prefect_server_says_so(
-    signum: int, capsys: pytest.CaptureFixture[str]
+    signum: int, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
 ) -> None:
     # The signals stay Prefect's there (it marks the run crashed); the command still
     # says it was stopped, --json included, and exits 130 or 143.
@@ -199,6 +199,10 @@ def test_a_run_stopped_under_a_prefect_server_says_so(
 
     told: list[tuple[int, str]] = []
     expected = (KeyboardInterrupt,) if signum == signal.SIGINT else (SystemExit,)
+    # Python's own Ctrl-C handler, which a process started in the background of a
+    # non-interactive shell lacks (SIGINT ignored from the start, as under some CI).
+    previous_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous_sigint))
     with temporary_settings(updates={"api.url": "http://prefect.test/api"}):
         with pytest.raises(expected) as stopped:
             with embedded_flow_runs("rerun", on_stop=lambda *a: told.append(a)):
