@@ -56,10 +56,10 @@ INGEST_PROGRESS: ContextVar[ProgressCallback | None] = ContextVar(
 
 @contextmanager
 def _progress_reporter(
-    logger: Any, live: ProgressCallback | None, every: float | None = None
+    logger: Any, live: ProgressCallback | None, every: float = PROGRESS_SECONDS
 ) -> Iterator[ProgressCallback]:
     """A progress callback that passes each update to ``live`` and, from a thread of
-    its own, logs the latest every ``every`` seconds (``PROGRESS_SECONDS``): what a
+    its own, logs the latest every ``every`` seconds: what a
     deployment's log shows of a long run, even while one batch takes longer than that."""
     latest: list[IngestProgress] = []
     finished = threading.Event()
@@ -70,7 +70,7 @@ def _progress_reporter(
         latest[:] = [progress]
 
     def log_latest() -> None:
-        while not finished.wait(PROGRESS_SECONDS if every is None else every):
+        while not finished.wait(every):
             if latest:
                 logger.info("progress: %s", latest[-1].describe())
 
@@ -223,13 +223,17 @@ def _artifact_key(collection: str) -> str:
     return f"ingest-{collection.lower().replace('_', '-')}"
 
 
+def _sources_line(sources: list[str]) -> str:
+    return f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}"
+
+
 def _publish_failure(
     collection: str, sources: list[str], error: QuarryError, elapsed: float
 ) -> None:
     lines = [
         f"# Ingest of `{collection}` failed",
         "",
-        f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}",
+        _sources_line(sources),
         "",
         f"After {elapsed:.1f} s: {error}",
         "",
@@ -246,7 +250,7 @@ def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) 
     lines = [
         f"# Ingest of `{report.collection}`",
         "",
-        f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}",
+        _sources_line(sources),
         "",
         "| documents seen | skipped | embedded | deleted | failed | chunks | tokens | seconds |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",

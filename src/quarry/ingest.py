@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -156,10 +156,10 @@ PROGRESS_SECONDS = 30.0
 """A long run says how far it has got at most this often."""
 
 
-def every(seconds: float, *, first: bool = True) -> Callable[[], bool]:
-    """A gate for progress lines: open once ``seconds`` have passed since it last
-    opened (or since it was made, unless ``first`` opens it on the first call)."""
-    last = -math.inf if first else time.monotonic()
+def every(seconds: float) -> Callable[[], bool]:
+    """A gate for progress lines: open on the first call, then once ``seconds`` have
+    passed since it last opened."""
+    last = -math.inf
 
     def due() -> bool:
         nonlocal last
@@ -479,7 +479,7 @@ class IndexSync:
             self.verify_canary()
         try:
             embedded = self.embedder.embed_passages(texts, documents=owners)
-        except (CancelledError, Exception):
+        except Exception:  # CancelledError among them
             if self._stopping.is_set():  # cancelled by stop(), or a client closed since
                 return result
             raise
