@@ -8,10 +8,11 @@ decides what runs where: each batch of documents is a Prefect task, at most
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from flows import quiet_quarry_tracebacks
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
-from quarry.errors import QuarryError
+from quarry.errors import QuarryError, StoreLocked
 from quarry.ingest import (
     PROGRESS_SECONDS,
     BatchResult,
@@ -84,17 +85,37 @@ def _progress_reporter(
 
 
 @contextmanager
-def one_writer(settings: Settings, collection: str) -> Iterator[None]:
-    """Serialise ingests of one collection.
+def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Iterator[None]:
+    """Serialise quarry's writers of one collection: ingest, reindex, prune, rollback.
 
-    A Prefect global concurrency limit when a Qdrant server is shared by workers;
-    a file lock beside local-mode Qdrant otherwise.
+    A Prefect global concurrency limit (``quarry-ingest-<collection>``) when a Qdrant
+    server is shared by workers; a file lock beside local-mode Qdrant otherwise. A
+    flow waits its turn; an operator's quick command (``wait=False``) raises
+    :class:`StoreLocked` at once instead, so ``prune`` never deletes the collection a
+    running reindex is building.
     """
-    logger = get_run_logger()
     if settings.qdrant_url:
+        from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
         from prefect.concurrency.sync import concurrency
 
-        with concurrency(f"quarry-ingest-{collection}", occupy=1, strict=False):
+        name = f"quarry-ingest-{collection}"
+        if not wait:
+            # Prefect also logs the refused acquisition as an ERROR from its own
+            # thread; the StoreLocked below says it once, and plainly.
+            logging.getLogger("prefect._internal.concurrency").addFilter(
+                lambda record: "ConcurrencySlotAcquisition" not in record.getMessage()
+            )
+        with ExitStack() as held:
+            try:
+                held.enter_context(
+                    concurrency(name, occupy=1, strict=False, max_retries=None if wait else 0)
+                )
+            except ConcurrencySlotAcquisitionError:
+                raise StoreLocked(
+                    collection,
+                    f"an ingest or reindex of {collection!r} is running (it holds the "
+                    f"Prefect concurrency limit {name!r}); try again when it has finished",
+                ) from None
             yield
         return
     # Local-mode Qdrant admits one process per folder, whatever the collection,
@@ -105,7 +126,13 @@ def one_writer(settings: Settings, collection: str) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        logger.warning(
+        if not wait:
+            raise StoreLocked(
+                collection,
+                f"an ingest or reindex is writing to local-mode Qdrant in "
+                f"{settings.data_dir}; try again when it has finished",
+            ) from None
+        get_run_logger().warning(
             "another ingest or reindex is writing to local-mode Qdrant in %s; waiting for it",
             settings.data_dir,
         )

@@ -358,6 +358,55 @@ def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
         assert (error["type"], error["exit_code"]) == ("failed", 1) and said in error["message"]
 
 
+@pytest.mark.parametrize("command", ["prune", "rollback"])
+def test_prune_and_rollback_refuse_while_a_writer_holds_local_qdrant(
+    tmp_path: Path, command: str
+) -> None:
+    from filelock import FileLock
+
+    from quarry.store import writer_lock_path
+
+    settings = Settings(data_dir=tmp_path / "d")
+    writer_lock_path(settings).parent.mkdir(parents=True)
+    env = {"QUARRY_DATA_DIR": str(settings.data_dir)}
+    with FileLock(str(writer_lock_path(settings))):  # as a reindex holds it
+        result = run([command, "--json"], env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    said = f"an ingest or reindex is writing to local-mode Qdrant in {settings.data_dir}"
+    assert said in json.loads(result.stdout)["error"]["message"]
+    assert "Traceback" not in result.stderr
+
+
+def test_prune_refuses_while_a_reindex_holds_the_collections_prefect_slot(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    # With a Qdrant server the build a reindex is writing looks unfinished to prune,
+    # which drops unfinished builds first: prune must wait for the writers' slot.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+
+    name = "quarry-ingest-slotted"
+    with get_client(sync_client=True) as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_COLLECTION": "slotted",
+        "QUARRY_QDRANT_URL": "http://127.0.0.1:9",
+        "PREFECT_API_URL": prefect_api,
+    }
+    with concurrency(name, occupy=1):  # as a running reindex holds it
+        held = run(["prune", "--json"], env, timeout=120)
+    assert held.returncode == 1, held.stderr
+    message = json.loads(held.stdout)["error"]["message"]
+    assert "an ingest or reindex of 'slotted' is running" in message and name in message
+    assert "Traceback" not in held.stderr and "ConcurrencySlotAcquisition" not in held.stderr
+    # Free again: prune goes on to Qdrant (not running here).
+    free = run(["prune", "--json"], env, timeout=120)
+    assert free.returncode == 1
+    assert "Qdrant at http://127.0.0.1:9" in json.loads(free.stdout)["error"]["message"]
+
+
 def test_a_data_dir_that_cannot_be_a_folder_is_a_usage_error_naming_it(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:

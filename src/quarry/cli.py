@@ -566,14 +566,16 @@ def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> 
     """Point the alias back at the collection it served before the last reindex."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
+        from flows.ingest import one_writer
         from quarry.reindex import rollback as roll_back
         from quarry.store import VectorStore, open_client
 
-        store = VectorStore(open_client(settings), settings.collection)
-        try:
-            current, previous = roll_back(store)
-        finally:
-            store.close()
+        with one_writer(settings, settings.collection, wait=False):
+            store = VectorStore(open_client(settings), settings.collection)
+            try:
+                current, previous = roll_back(store)
+            finally:
+                store.close()
     data = {"alias": settings.collection, "from": current, "to": previous}
     _emit(as_json, data, lambda: typer.echo(f"{settings.collection}: {current} -> {previous}"))
 
@@ -593,14 +595,17 @@ def prune(
     `quarry rollback` returns to, then the newest."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
+        from flows.ingest import one_writer
         from quarry.reindex import prune as prune_collections
         from quarry.store import VectorStore, open_client
 
-        store = VectorStore(open_client(settings), settings.collection)
-        try:
-            dropped = prune_collections(store, keep)
-        finally:
-            store.close()
+        # A running reindex's build looks unfinished: prune must not run beside it.
+        with one_writer(settings, settings.collection, wait=False):
+            store = VectorStore(open_client(settings), settings.collection)
+            try:
+                dropped = prune_collections(store, keep)
+            finally:
+                store.close()
 
     def human() -> None:
         typer.echo(f"deleted {len(dropped)} collections" + "".join(f"\n  {n}" for n in dropped))

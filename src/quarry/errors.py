@@ -17,7 +17,7 @@ can be traced to its cause without a debugger::
     │   │   └── DialectMismatch     the service speaks another API dialect
     │   └── BadResponse             the service answered something unparseable
     ├── StoreError                  Qdrant (has ``collection``)
-    │   ├── StoreLocked             local-mode Qdrant is held by another process
+    │   ├── StoreLocked             another quarry process holds the index or its writers' slot
     │   └── WriteFailed             an upsert or delete was not acknowledged
     └── Refused                     quarry will not do this: CLI exit 3, API 409
         ├── FingerprintMismatch     index made by another model
@@ -112,9 +112,11 @@ class StoreError(QuarryError):
 
 
 class StoreLocked(StoreError):
-    """Local-mode Qdrant admits one process at a time and another one holds it.
+    """Another quarry process holds what this one needs.
 
-    The whole folder is held, whatever the collection: the message names the folder.
+    Local-mode Qdrant admits one process at a time, so the whole folder is held,
+    whatever the collection: the message names the folder. ``prune`` and
+    ``rollback`` also refuse while an ingest or reindex holds the writers' slot.
     """
 
     def __init__(self, collection: str, message: str) -> None:
