@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -441,6 +442,47 @@ def test_text_without_spaces_gets_overlap(text: str) -> None:
         )
 
 
+# A grapheme cluster's later parts that are letters, not marks: Thai SARA AM (น้ำ),
+# conjoining Hangul jamo (Korean in NFD, as macOS writes file names), a conjunct.
+THAI = "น้ำท่วมกรุงเทพมหานครทำให้ประชาชนจำนวนมากต้องอพยพ"
+HANGUL_NFD = unicodedata.normalize("NFD", "대한민국의수도는서울입니다")
+
+
+@pytest.mark.parametrize(("max_tokens", "overlap"), [(256, 32), (64, 16), (16, 8)])
+@pytest.mark.parametrize("text", [THAI * 40, HANGUL_NFD * 40], ids=["thai", "hangul-nfd"])
+def test_overlap_never_starts_inside_a_grapheme_cluster(
+    text: str, max_tokens: int, overlap: int
+) -> None:
+    chunks = chunks_of(text, max_tokens, overlap, "text")
+    overlapping = [a for b, a in itertools.pairwise(chunks) if a.char_start < b.char_end]
+    assert len(overlapping) > 3
+    for chunk in overlapping:
+        start, before = text[chunk.char_start], text[chunk.char_start - 1]
+        assert start not in "\u0e33\u0eb3", chunk.char_start
+        assert unicodedata.category(start) != "Mn", chunk.char_start
+        assert not ("\u1161" <= start <= "\u11ff" and "\u1100" <= before <= "\u11ff"), (
+            chunk.char_start
+        )
+
+
+def test_token_windows_encode_little_more_than_the_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Text without spaces or sentence ends is cut by token windows; each window's
+    # text is encoded to find its cut, so an oversized guess costs that much again.
+    text = "検索システムは文書を小さな単位に分割して、" * 2000
+    encoding = get_encoding()
+    encoded = 0
+    plain = encoding.encode_ordinary
+
+    def counting(piece: str) -> list[int]:
+        nonlocal encoded
+        encoded += len(piece)
+        return plain(piece)
+
+    monkeypatch.setattr(encoding, "encode_ordinary", counting)
+    assert len(chunks_of(text, 256, 32, "text")) > 100
+    assert encoded < 12 * len(text)
+
+
 def test_chunking_streams_instead_of_encoding_the_whole_text() -> None:
     paragraph = "Streaming text should be chunked window by window, never at once. " * 6
     text = "\n\n".join(f"## Section {i}\n\n{paragraph}" for i in range(3000))  # ~1.4M chars
@@ -552,6 +594,16 @@ def test_split_in_two_falls_back_to_lines_sentences_words_chars() -> None:
     assert split_in_two("abcdef") == ("abc", "def")
     # A boundary outside the middle half does not count.
     assert split_in_two("a\n" + "x" * 20) == ("a\nxxxxxxxxx", "x" * 11)
+
+
+def test_split_in_two_cuts_cjk_after_a_stop_and_never_inside_a_character() -> None:
+    # The service rejected a chunk as too long: its halves are embedded on their own.
+    sentence = "検索システムは文書を分割します。"
+    assert split_in_two(sentence * 3 + "😀") == (sentence, sentence * 2 + "😀")
+    family = "👨\u200d👩\u200d👧"  # one emoji of five code points
+    assert split_in_two(family * 3) == (family * 2, family)
+    water = "น้ำ"  # Thai: the vowel after the tone mark is a letter of the same cluster
+    assert split_in_two(water * 5) == (water * 3, water * 2)
 
 
 @pytest.mark.parametrize("text", ["", "x"])

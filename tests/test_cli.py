@@ -123,6 +123,19 @@ def test_chunk_json_shape(tmp_path: Path) -> None:
     assert (chunks[0]["uri"], chunks[0]["page"]) == (f"{tmp_path.name}/g.md", None)
 
 
+def test_chunk_json_keeps_cjk_readable_where_stdout_takes_utf8(tmp_path: Path) -> None:
+    (tmp_path / "ja.txt").write_text("検索システムは文書を分割します。" * 40, encoding="utf-8")
+    args = ["chunk", str(tmp_path / "ja.txt"), "--max-tokens", "64", "--json"]
+    readable = run(args, {"PYTHONIOENCODING": "utf-8"})
+    assert readable.returncode == 0, readable.stderr
+    assert "検索システム" in readable.stdout
+    # A stdout that cannot take it still gets valid JSON, escaped.
+    escaped = run(args, {"PYTHONIOENCODING": "ascii"})
+    assert escaped.returncode == 0, escaped.stderr
+    assert escaped.stdout.isascii()
+    assert json.loads(escaped.stdout) == json.loads(readable.stdout)
+
+
 def test_chunk_of_a_file_without_text_says_so(tmp_path: Path) -> None:
     (tmp_path / "blank.md").write_text("  \n\n\t\n")
     result = run(["chunk", str(tmp_path / "blank.md")], {})

@@ -274,18 +274,49 @@ def _tail_tokens(text: str, place: int, cut: int) -> int | None:
     return None if tail.isspace() else count_tokens(tail)
 
 
+def _hangul_kind(char: str) -> str:
+    """The Hangul syllable type of ``char`` for grapheme clusters: L, V, T, LV, LVT or ""."""
+    cp = ord(char)
+    if 0x1100 <= cp <= 0x115F or 0xA960 <= cp <= 0xA97C:
+        return "L"
+    if 0x1160 <= cp <= 0x11A7 or 0xD7B0 <= cp <= 0xD7C6:
+        return "V"
+    if 0x11A8 <= cp <= 0x11FF or 0xD7CB <= cp <= 0xD7FB:
+        return "T"
+    if 0xAC00 <= cp <= 0xD7A3:
+        return "LV" if (cp - 0xAC00) % 28 == 0 else "LVT"
+    return ""
+
+
+# Letters (category Lo) that are grapheme-cluster SpacingMarks: Thai and Lao SARA AM.
+_SPACING_LETTERS = frozenset("\u0e33\u0eb3")
+_HANGUL_JOINS = frozenset(
+    {("V", "V"), ("V", "T"), ("LV", "V"), ("LV", "T"), ("T", "T"), ("LVT", "T")}
+)
+
+
 def _inside_cluster(text: str, pos: int) -> bool:
     """Whether ``text[pos]`` belongs with the character before it.
 
     A combining mark, a joiner, a variation selector, an emoji modifier or tag,
     the second of two regional indicators (a flag), the character after a zero
-    width joiner, or the newline of a ``\\r\\n``: an overlap that starts at a
-    token boundary does not start there.
+    width joiner, a Thai or Lao SARA AM, a conjoining Hangul jamo that continues
+    a syllable, a letter after a virama (an Indic conjunct), or the newline of a
+    ``\\r\\n``: an overlap that starts at a token boundary does not start there.
+    Errs on the side of "inside": such a place is only skipped.
     """
     char, before = text[pos], text[pos - 1]
     if before == "\u200d" or (before == "\r" and char == "\n"):
         return True
     if "\U0001f1e6" <= char <= "\U0001f1ff" and "\U0001f1e6" <= before <= "\U0001f1ff":
+        return True
+    if char in _SPACING_LETTERS:
+        return True
+    if unicodedata.combining(before) == 9 and unicodedata.category(char)[0] == "L":
+        return True  # a virama joins the next consonant (GB9c)
+    # Hangul: L x (L V LV LVT), (LV V) x (V T), (LVT T) x T.
+    first, second = _hangul_kind(before), _hangul_kind(char)
+    if second and (first == "L" or (first, second) in _HANGUL_JOINS):
         return True
     return (
         unicodedata.category(char)[0] == "M"
@@ -1068,7 +1099,7 @@ class Chunker:
         pos = s
         first = True
         while pos < e:
-            width = 32 * limit
+            width = 4 * limit + 64  # characters; grown until the window holds over ``limit`` tokens
             while True:
                 window_end = min(e, pos + width)
                 toks = enc.encode_ordinary(segment[pos:window_end])
@@ -1279,7 +1310,7 @@ class _Packer:
         places = {m.start() for m in _OVERLAP_START.finditer(text, lo, cut)}
         places.update(m.end() for m in _SENTENCE_CUT.finditer(text, lo, cut))
         for place in sorted(places):
-            if not floor < place < cut:
+            if not floor < place < cut or _inside_cluster(text, place):
                 continue
             # Tokens of the window from ``place`` on: an estimate, to skip the long ones.
             if ntoks - bisect.bisect_right(ends, byte_of[place - lo]) > budget + 2:
@@ -1487,7 +1518,8 @@ def markup_for(content_type: str) -> Markup:
 _SPLIT_PATTERNS = (
     re.compile(r"\n[ \t]*\n\s*"),  # paragraph: cut after the blank lines
     re.compile(r"\n"),  # line
-    re.compile(r"[.!?。！？][)\]\"'’”]*\s+"),  # sentence
+    # sentence: Western ends need the space after them, CJK ones do not
+    re.compile(rf"[.!?…][{_CLOSERS}]*\s+|[{_CJK_STOPS}．][{_CLOSERS}]*\s*"),
     re.compile(r"\s+"),  # whitespace
 )
 
@@ -1496,8 +1528,9 @@ def split_in_two(text: str) -> tuple[str, str]:
     """Split ``text`` near its middle (by characters) at the strongest boundary there.
 
     Used when an embedding service rejects a chunk as too long for its own
-    tokenizer. Boundaries, strongest first: paragraph, line, sentence,
-    whitespace, then any character. Only boundaries in the middle half of the
+    tokenizer. Boundaries, strongest first: paragraph, line, sentence (also after
+    。！？ with no space), whitespace, then any character that does not continue a
+    character before it (see ``_inside_cluster``). Only boundaries in the middle half of the
     text count, so each part is at most three quarters of it. Both parts are
     non-empty and ``a + b == text``. ValueError for text shorter than 2 characters.
     """
@@ -1518,8 +1551,9 @@ def split_in_two(text: str) -> tuple[str, str]:
                 best = pos
         if best > 0:
             return text[:best], text[best:]
-    cut = mid
-    # Keep a \r\n pair and a surrogate pair together where the middle falls inside one.
-    if text[cut - 1] == "\r" and text[cut] == "\n" and cut + 1 < n:
-        cut += 1
+    # Not inside a character (a \r\n pair, an emoji sequence, a syllable): the
+    # nearest place after the middle that starts one, else the nearest before it.
+    cut = next((p for p in range(mid, n) if not _inside_cluster(text, p)), None)
+    if cut is None:
+        cut = next((p for p in range(mid - 1, 0, -1) if not _inside_cluster(text, p)), mid)
     return text[:cut], text[cut:]

@@ -60,7 +60,7 @@ _ERROR_KINDS = {
 
 def _echo_json_error(message: str, code: int) -> None:
     error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
-    typer.echo(json.dumps({"error": error}))
+    typer.echo(_json_text({"error": error}))
 
 
 def _json_when_stopped(code: int, message: str) -> None:
@@ -167,9 +167,15 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+def _json_text(data: dict[str, Any], **options: Any) -> str:
+    """``data`` as JSON for stdout: text as it is (CJK, emoji) where stdout takes UTF-8."""
+    readable = (sys.stdout.encoding or "").lower().replace("-", "") == "utf8"
+    return json.dumps(data, ensure_ascii=not readable, default=str, **options)
+
+
 def _emit(as_json: bool, data: dict[str, Any], human: Callable[[], None]) -> None:
     if as_json:
-        typer.echo(json.dumps(data, indent=2, default=str))
+        typer.echo(_json_text(data, indent=2))
     else:
         human()
 
