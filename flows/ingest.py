@@ -231,13 +231,14 @@ def ingest_flow(
         raise
     elapsed = time.monotonic() - started
     logger.info(
-        "ingest of %s: %d seen, %d skipped, %d embedded (%d chunks), %d deleted, %d failed "
-        "in %.1fs",
+        "ingest of %s: %d seen, %d skipped, %d embedded (%d chunks, %d reused), %d deleted, "
+        "%d failed in %.1fs",
         settings.collection,
         report.documents_seen,
         report.documents_skipped,
         report.documents_embedded,
         report.chunks_embedded,
+        report.chunks_reused,
         report.documents_deleted,
         report.documents_failed,
         elapsed,
@@ -279,11 +280,12 @@ def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) 
         "",
         _sources_line(sources),
         "",
-        "| documents seen | skipped | embedded | deleted | failed | chunks | tokens | seconds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| documents seen | skipped | embedded | deleted | failed | chunks | reused | tokens "
+        "| seconds |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {report.documents_seen} | {report.documents_skipped} | {report.documents_embedded} "
         f"| {report.documents_deleted} | {report.documents_failed} | {report.chunks_embedded} "
-        f"| {report.tokens_embedded} | {elapsed:.1f} |",
+        f"| {report.chunks_reused} | {report.tokens_embedded} | {elapsed:.1f} |",
     ]
     if report.failures:
         lines += ["", "## Failures", "", "| document | error |", "|---|---|"]

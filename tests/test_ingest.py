@@ -460,7 +460,7 @@ def test_new_chunk_settings_on_one_file_leave_the_rest_to_be_rechunked(
     smaller = Chunker(32, 4)
     one = harness.run(source=harness.root / "alpha.md", chunker=smaller)
     assert one.documents_embedded == 1
-    assert "re-chunked and re-embedded when a sync reaches it" in " ".join(one.notes)
+    assert "re-chunked when a sync reaches it" in " ".join(one.notes)
     # The other three documents still have 64-token chunks: the next full sync re-chunks
     # them; each point records the settings that made it, so alpha.md is not redone.
     rest = harness.run(chunker=smaller)
@@ -633,12 +633,19 @@ def test_turning_embedded_headings_on_or_off_re_embeds_each_document_once(
 ) -> None:
     first = harness.run()
     plain = _chunk_vectors(harness)
+    headless = sum(1 for payload, _ in plain.values() if not payload["headings"])
+    assert 0 < headless < first.chunks_embedded
     tei.stats.reset()
     on = harness.run(embed_headings=True)
     assert (on.documents_embedded, on.documents_skipped) == (len(CORPUS), 0)
     assert "embed_headings: False -> True" in " ".join(on.notes)
-    # Every chunk was embedded again, and once: the service saw them plus the canary.
-    assert tei.stats.inputs_embedded == on.chunks_embedded + 1 == first.chunks_embedded + 1
+    # Every chunk under a heading was embedded again, and once: the service saw them
+    # plus the canary. A chunk under none embeds the same text: its vector is kept.
+    assert (on.chunks_reused, on.chunks_embedded + on.chunks_reused) == (
+        headless,
+        first.chunks_embedded,
+    )
+    assert tei.stats.inputs_embedded == on.chunks_embedded + 1
     headed = _chunk_vectors(harness)
     assert headed.keys() == plain.keys()
     embedder = EmbeddingClient(harness.url, retry=NO_WAIT)
@@ -660,13 +667,61 @@ def test_turning_embedded_headings_on_or_off_re_embeds_each_document_once(
     assert (third.documents_embedded, third.notes) == (0, [])  # recorded on the collection
     assert tei.stats.inputs_embedded == 0
     off = harness.run()
-    assert off.documents_embedded == len(CORPUS)
+    assert (off.documents_embedded, off.chunks_reused) == (len(CORPUS), headless)
     assert "embed_headings: True -> False" in " ".join(off.notes)
     restored = _chunk_vectors(harness)
     assert restored.keys() == plain.keys()
     for key, (_, vector) in restored.items():
         assert vector == pytest.approx(plain[key][1])
     assert (harness.run().documents_embedded, harness.run().notes) == (0, [])
+
+
+def test_an_edited_document_re_embeds_only_the_chunks_whose_text_changed(
+    harness: Harness, tei: LocalTEIServer, tmp_path: Path
+) -> None:
+    sections = [f"## Part {i}\n\n" + f"Part {i} says something of its own. " * 12 for i in range(6)]
+    path = harness.root / "long.md"
+    path.write_text("# Long\n\n" + "\n\n".join(sections))
+    first = harness.run()
+    tei.stats.reset()
+    sections[3] += "\n\nA paragraph added to part 3."
+    path.write_text("# Long\n\n" + "\n\n".join(sections))
+    edited = harness.run()
+    assert edited.documents_embedded == 1
+    assert edited.chunks_reused > edited.chunks_embedded > 0
+    assert edited.tokens_embedded < first.tokens_embedded
+    assert tei.stats.inputs_embedded == edited.chunks_embedded + 1  # and the canary
+    # The index is what a build from scratch of the edited files gives.
+    rebuilt = Harness(tmp_path / "rebuilt", harness.url)
+    rebuilt.root = harness.root
+    rebuilt.run()
+    kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
+    assert kept.keys() == fresh.keys()
+    for key, (payload, vector) in kept.items():
+        assert payload["text"] == fresh[key][0]["text"]
+        assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+
+
+def test_a_new_chunker_version_that_keeps_the_chunks_sends_nothing_to_the_service(
+    harness: Harness, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quarry.chunking
+
+    first = harness.run()
+    before = _chunk_vectors(harness)
+    tei.stats.reset()
+    monkeypatch.setattr(quarry.chunking, "CHUNKER_VERSION", quarry.chunking.CHUNKER_VERSION + 1)
+    upgraded = harness.run()
+    assert "version: " in " ".join(upgraded.notes)  # the settings did change
+    assert (upgraded.documents_embedded, upgraded.chunks_embedded) == (len(CORPUS), 0)
+    assert upgraded.chunks_reused == first.chunks_embedded
+    assert (tei.stats.inputs_embedded, upgraded.embedding_requests) == (0, 0)
+    after = _chunk_vectors(harness)
+    assert after.keys() == before.keys()
+    for key, (payload, vector) in after.items():
+        assert payload["chunking"] != before[key][0]["chunking"]  # re-keyed
+        assert vector == pytest.approx(before[key][1])
+    assert harness.run().notes == []  # recorded once every point has the new key
 
 
 def test_turning_embedded_headings_on_re_embeds_a_document_once_whichever_run_reaches_it(

@@ -253,7 +253,8 @@ def ingest(
             f"({_count(summary['files_unread'], 'file')} not read), "
             f"{summary['documents_embedded']} embedded "
             f"({_count(summary['chunks_embedded'], 'chunk')}, "
-            f"{_count(summary['embedding_requests'], 'request')}), "
+            + (f"{summary['chunks_reused']} reused, " if summary.get("chunks_reused") else "")
+            + f"{_count(summary['embedding_requests'], 'request')}), "
             f"{summary['documents_deleted']} deleted, {summary['documents_failed']} failed"
         )
         for failure in summary["failures"]:

@@ -26,13 +26,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from qdrant_client import models
 
 from quarry.chunking import Chunker
 from quarry.documents import Chunk, Document, FileStamp, point_id
-from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure
+from quarry.embeddings import EmbeddedPart, EmbeddingClient, EmbedFailure, EmbedResult
 from quarry.errors import (
     ConfigError,
     FingerprintMismatch,
@@ -86,6 +86,8 @@ class BatchResult:
     documents_embedded: int = 0
     chunks_embedded: int = 0
     tokens_embedded: int = 0
+    # Chunks of re-written documents whose text the collection already held a vector for.
+    chunks_reused: int = 0
     # Points of re-embedded documents beyond their new chunk count (they got shorter).
     chunks_deleted: int = 0
     failures: list[Failure] = field(default_factory=list)
@@ -104,6 +106,7 @@ class IngestReport:
     documents_deleted: int = 0
     documents_failed: int = 0
     chunks_embedded: int = 0
+    chunks_reused: int = 0
     chunks_deleted: int = 0
     tokens_embedded: int = 0
     embedding_requests: int = 0
@@ -114,6 +117,7 @@ class IngestReport:
         """Fold a batch's result into the totals."""
         self.documents_embedded += result.documents_embedded
         self.chunks_embedded += result.chunks_embedded
+        self.chunks_reused += result.chunks_reused
         self.chunks_deleted += result.chunks_deleted
         self.tokens_embedded += result.tokens_embedded
         self.fail(result.failures)
@@ -223,6 +227,12 @@ class IndexSync:
         self.chunking_key = chunking_key(self.settings)
         self.rechunk_all = False  # META_CHUNKING differs: documents re-chunk as syncs reach them
         self._unkeyed_current = True  # whether points without a key have today's settings
+        # Whether the points made with a settings key (None: none recorded) were embedded
+        # with their headings: what a stored vector was made from, for reuse.
+        self._headings_by_key: dict[str | None, bool] = {
+            self.chunking_key: embed_headings,
+            None: embed_headings,
+        }
         self._requests_at_start = 0
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
@@ -282,13 +292,17 @@ class IndexSync:
             claimed = live  # its vectors say otherwise after all: judged on them
         self._stored = stored
         recorded = metadata.get(META_CHUNKING)
+        if recorded is not None:
+            recorded_headings = bool(recorded.get("embed_headings", False))
+            self._headings_by_key[None] = recorded_headings
+            self._headings_by_key.setdefault(chunking_key(recorded), recorded_headings)
         if recorded is not None and dict(recorded) != self.settings:
             self.rechunk_all = True
             self._unkeyed_current = False
             report.notes.append(
                 f"chunking settings changed ({_changes(recorded, self.settings)}): each "
-                "document made with the old settings is re-chunked and re-embedded when a "
-                "sync reaches it"
+                "document made with the old settings is re-chunked when a sync reaches it, "
+                "and its chunks whose text changed are re-embedded"
             )
         self.fingerprint = claimed
         return claimed
@@ -467,29 +481,34 @@ class IndexSync:
         a reindex re-embeds stored chunks that other settings may have made.
         """
         result = BatchResult()
+        stored = self._stored_vectors(chunked)
+        inputs = [[self._embedding_text(chunk) for chunk in chunks] for _, chunks in chunked]
         texts: list[str] = []
         owners: list[str] = []
-        for document, chunks in chunked:
-            for chunk in chunks:
-                texts.append(self._embedding_text(chunk))
-                owners.append(document.uri)
+        for (document, _), embedding_texts in zip(chunked, inputs, strict=True):
+            for text in embedding_texts:
+                if text not in stored:
+                    texts.append(text)
+                    owners.append(document.uri)
         if self._stopping.is_set():
             return result
         if texts:
             self.verify_canary()
         try:
-            embedded = self.embedder.embed_passages(texts, documents=owners)
+            embedded = iter(self.embedder.embed_passages(texts, documents=owners))
         except Exception:  # CancelledError among them
             if self._stopping.is_set():  # cancelled by stop(), or a client closed since
                 return result
             raise
 
         points: list[models.PointStruct] = []
-        written: list[tuple[Document, int]] = []
-        cursor = 0
-        for document, chunks in chunked:
-            outcomes = embedded[cursor : cursor + len(chunks)]
-            cursor += len(chunks)
+        written: list[tuple[Document, int, int]] = []
+        for (document, chunks), embedding_texts in zip(chunked, inputs, strict=True):
+            outcomes: list[EmbedResult] = [
+                [EmbeddedPart(text, stored[text])] if text in stored else next(embedded)
+                for text in embedding_texts
+            ]
+            reused = sum(1 for text in embedding_texts if text in stored)
             failure = next((o for o in outcomes if isinstance(o, EmbedFailure)), None)
             if failure is not None:
                 result.failures.append(Failure(document.uri, str(failure.error)))
@@ -501,14 +520,18 @@ class IndexSync:
             )
             doc_points = self._points(document, chunks, outcomes, chunking)  # type: ignore[arg-type]
             points.extend(doc_points)
-            written.append((document, len(doc_points)))
-            result.tokens_embedded += sum(chunk.token_count for chunk in chunks)
+            written.append((document, len(doc_points), reused))
+            result.tokens_embedded += sum(
+                chunk.token_count
+                for chunk, text in zip(chunks, embedding_texts, strict=True)
+                if text not in stored
+            )
 
         with self._write_slot() as open_:
             if not open_:
                 return result
-            failed_writes = self._upsert(points, written)
-            for document, count in written:
+            failed_writes = self._upsert(points, [(d, n) for d, n, _ in written])
+            for document, count, reused in written:
                 if document.doc_id in failed_writes:
                     result.failures.append(Failure(document.uri, failed_writes[document.doc_id]))
                     continue
@@ -526,8 +549,46 @@ class IndexSync:
                 if before is not None:
                     result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
                 result.documents_embedded += 1
-                result.chunks_embedded += count
+                result.chunks_embedded += count - reused
+                result.chunks_reused += reused
         return result
+
+    def _stored_vectors(
+        self, chunked: Sequence[tuple[Document, list[Chunk]]]
+    ) -> dict[str, list[float]]:
+        """The vectors this collection holds for these documents, by the text they embed.
+
+        A document written again (edited, or made with other chunk settings) mostly
+        repeats chunks it had: same model, same text, same vector, so those are not
+        sent to the service again. Read by point id from what the plan found; only
+        whole chunks made with known settings count (a part of a chunk the model
+        found too long, or a point whose embedded text cannot be told, does not).
+        """
+        ids: list[str] = []
+        for document, _ in chunked:
+            state = self._planned_documents.get(document.doc_id)
+            if state is not None:
+                ids.extend(point_id(document.doc_id, index) for index in sorted(state.indexes))
+        if not ids:
+            return {}
+        vectors: dict[str, list[float]] = {}
+        for record in self.store.retrieve(
+            ids, ["text", "headings", "token_count", "chunking"], with_vectors=True
+        ):
+            payload = record.payload or {}
+            with_headings = self._headings_by_key.get(payload.get("chunking"))
+            text, vector = payload.get("text"), record.vector
+            if (
+                with_headings is None
+                or payload.get("token_count") is None
+                or not isinstance(text, str)
+                or not isinstance(vector, list)
+                or not all(isinstance(x, float) for x in vector)
+            ):
+                continue
+            headings = payload.get("headings") or []
+            vectors[_embedding_text(text, headings, with_headings)] = cast("list[float]", vector)
+        return vectors
 
     @contextmanager
     def _write_slot(self) -> Iterator[bool]:
@@ -565,9 +626,7 @@ class IndexSync:
 
     def embedding_text_for(self, text: str, headings: Sequence[str]) -> str:
         """The text that is embedded for a chunk (headings prepended when configured)."""
-        if self.embed_headings and headings:
-            return " > ".join(headings) + "\n\n" + text
-        return text
+        return _embedding_text(text, headings, self.embed_headings)
 
     def _points(
         self,
@@ -710,6 +769,12 @@ class IndexSync:
             )
         ):
             self.store.update_metadata({META_CHUNKING: dict(self.settings)})
+
+
+def _embedding_text(text: str, headings: Sequence[str], with_headings: bool) -> str:
+    if with_headings and headings:
+        return " > ".join(headings) + "\n\n" + text
+    return text
 
 
 def index_settings(chunking: Mapping[str, Any], embed_headings: bool) -> dict[str, Any]:

@@ -376,7 +376,7 @@ def _build(
         "verifying"
     )
     report.documents = ingest.documents_embedded
-    report.points = ingest.chunks_embedded
+    report.points = ingest.chunks_embedded + ingest.chunks_reused
     report.failures = [{"uri": f.uri, "error": f.error} for f in ingest.failures]
     if interrupted:
         report.notes.append(

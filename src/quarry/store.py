@@ -560,6 +560,16 @@ class VectorStore:
             if offset is None:
                 return
 
+    def retrieve(
+        self, ids: Sequence[str], fields: Sequence[str], *, with_vectors: bool = False
+    ) -> list[models.Record]:
+        """The points ``ids`` that exist, by id (no filter: local mode scans nothing)."""
+        if not ids:
+            return []
+        return self.client.retrieve(
+            self._require(), ids=list(ids), with_payload=list(fields), with_vectors=with_vectors
+        )
+
     def search(
         self, vector: Sequence[float], limit: int, query_filter: models.Filter | None = None
     ) -> list[models.ScoredPoint]:
