@@ -81,7 +81,9 @@ ENCODING_NAME = "cl100k_base"
 # Bump whenever the chunks a text gives can change: the version is recorded with
 # a collection, and a new version re-chunks every document on the next sync.
 # 2: sentence cuts after fullwidth terminators (。！？), overlap for text without spaces.
-CHUNKER_VERSION = 2
+# 3: no overlap starts inside a grapheme cluster (Thai, NFD Hangul, Indic conjuncts).
+# A sync re-embeds only the chunks whose text changed, so a bump costs little.
+CHUNKER_VERSION = 3
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
