@@ -367,11 +367,33 @@ def test_integral_numbers_are_integers_as_json_schema_says(app: TestClient) -> N
     assert len(answered.json()["results"]) == 2
 
 
-def test_malformed_json_is_a_422(app: TestClient) -> None:
+def test_malformed_json_is_a_422_saying_where_and_why(app: TestClient) -> None:
     response = app.post(
-        "/v1/query", content=b'{"query": ', headers={**AUTH, "content-type": "application/json"}
+        "/v1/query",
+        content=b'{"query": "x",}',
+        headers={**AUTH, "content-type": "application/json"},
     )
-    assert_error(response, 422, "invalid_request")
+    error = assert_error(response, 422, "invalid_request")
+    # Not "14: JSON decode error", as if character 14 were a field.
+    assert error["message"] == (
+        "body: not valid JSON at character 14: Expecting property name enclosed in double quotes"
+    )
+
+
+def test_a_metadata_value_of_no_allowed_kind_is_one_error_naming_the_kinds(
+    app: TestClient,
+) -> None:
+    for value in (1.5, None, [1], "x" * 1025, 2**63):
+        response = query(app, {"query": "x", "filter": {"metadata": {"size": value}}})
+        error = assert_error(response, 422, "invalid_request")
+        assert error["message"] == (
+            "filter.metadata.size: must be a string of up to 1,024 characters, "
+            "a 64-bit integer or a boolean"
+        ), value
+        assert len(error["details"]) == 1
+    for value in ("text/markdown", 3, 3.0, True):
+        answered = query(app, {"query": "gamma", "filter": {"metadata": {"size": value}}})
+        assert answered.status_code == 200, (value, answered.text)
 
 
 def test_a_json_body_sent_as_a_form_is_told_to_say_json(app: TestClient) -> None:
@@ -901,8 +923,10 @@ def test_a_down_reranker_is_not_asked_again_by_every_query(
 
 def test_reranker_down_is_a_503_when_rerank_is_required(make_app: AppFactory) -> None:
     app = make_app(rerank_url=_dead_url(), rerank_required=True)
-    error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    answer = query(app, {"query": "gamma"})
+    error = assert_error(answer, 503, "dependency_unavailable")
     assert error["dependency"] == "reranker"
+    assert answer.headers["retry-after"] == "10"  # RERANK_COOLDOWN_S: not asked before
     assert "127.0.0.1" not in error["message"]
     ready = assert_error(app.get("/readyz"), 503, "not_ready")
     assert "reranker" in ready["message"] and "127.0.0.1" not in ready["message"]
@@ -914,8 +938,10 @@ def test_reranker_down_is_a_503_when_rerank_is_required(make_app: AppFactory) ->
 def test_embedding_service_down_is_a_503_naming_it(make_app: AppFactory) -> None:
     dead = _dead_url()
     app = make_app(embed_url=dead, rerank_url=dead)
-    error = assert_error(query(app, {"query": "gamma"}), 503, "dependency_unavailable")
+    answer = query(app, {"query": "gamma"})
+    error = assert_error(answer, 503, "dependency_unavailable")
     assert error["dependency"] == "embedding service"
+    assert answer.headers["retry-after"] == "5"  # EMBED_COOLDOWN_S
     assert dead not in error["message"] and "cannot connect" in error["message"]
     ready = assert_error(app.get("/readyz"), 503, "not_ready")
     assert "embedding" in ready["message"]
@@ -1509,15 +1535,21 @@ def test_served_app_freezes_what_startup_loaded(
 # -- the query's time (QUARRY_QUERY_TIMEOUT) ---------------------------------------------------
 
 
-def test_a_504_message_is_as_documented(make_app: AppFactory) -> None:
+def test_a_504_message_is_as_documented_and_the_log_names_the_url(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     with _silent_url() as silent:
         app = make_app(embed_url=silent, query_timeout=0.5)
+        caplog.set_level(logging.WARNING, logger="quarry.api")
         error = assert_error(query(app, {"query": "gamma"}), 504, "dependency_timeout")
         # The form the OpenAPI example (_ERR_504) documents.
         assert error["message"] == (
             "embedding service did not answer: no answer within the query's 0.5s "
             "(QUARRY_QUERY_TIMEOUT)"
         )
+        # The client is not told where the service is; the server's log is.
+        said = [r.getMessage() for r in caplog.records if "did not answer" not in r.getMessage()]
+        assert any(f"embedding service failed: {silent}" in line for line in said), said
 
 
 def test_a_burst_queued_on_a_busy_embedding_service_does_not_mark_it_down(

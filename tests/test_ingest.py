@@ -265,6 +265,30 @@ def test_progress_never_goes_backwards_when_a_pdf_spans_batches(
     assert states[-1].files_done == states[-1].files_found == 5
 
 
+def test_a_filter_naming_a_pdf_file_finds_every_page_and_only_its_pages(
+    harness: Harness,
+) -> None:
+    from quarry.search import SearchFilter
+
+    (harness.root / "manual.pdf").write_bytes(make_pdf(["page one text", "page two text"]))
+    (harness.root / "manual.pdf.md").write_text("A file whose name starts like the PDF's.")
+    harness.run()
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+
+        def uris(prefix: str) -> set[str]:
+            query = SearchFilter(uri_prefix=prefix).to_qdrant()
+            return {str((p.payload or {})["uri"]) for p in store.scroll(query_filter=query)}
+
+        pages = {"corpus/manual.pdf#page=1", "corpus/manual.pdf#page=2"}
+        assert uris("corpus/manual.pdf") == pages
+        assert uris("corpus/manual.pdf#page=2") == {"corpus/manual.pdf#page=2"}
+        assert uris("corpus/notes") == {"corpus/notes/gamma.txt", "corpus/notes/delta.md"}
+        assert uris("corpus/") >= pages | {"corpus/manual.pdf.md"}
+    finally:
+        store.close()
+
+
 def test_touching_a_file_re_embeds_nothing(harness: Harness) -> None:
     harness.run()
     path = harness.root / "alpha.md"

@@ -52,11 +52,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictInt,
+    PlainValidator,
     StringConstraints,
+    WithJsonSchema,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 from qdrant_client import models
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -135,6 +136,7 @@ QUERY_EMBED_RETRY_S = 5.0
 restarting takes seconds; a client's timeout is often 30 s)."""
 _RERANK_WARNING = '199 quarry "rerank failed; answered from vector scores"'
 _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
+_RETRY_AFTER_S = {_EMBEDDING: EMBED_COOLDOWN_S, _RERANKER: RERANK_COOLDOWN_S}
 
 
 def _capped(policy: RetryPolicy, cap: float, service: str) -> RetryPolicy:
@@ -147,11 +149,36 @@ def _capped(policy: RetryPolicy, cap: float, service: str) -> RetryPolicy:
 # -- request and response bodies --------------------------------------------------------------
 
 MetadataKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-MetadataValue = (
-    Annotated[str, StringConstraints(max_length=1024)]
-    | StrictBool
-    | Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
-)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _metadata_value(value: object) -> str | bool | int:
+    """One error for a value of none of the three kinds, not one per kind it is not."""
+    if isinstance(value, bool) or (isinstance(value, str) and len(value) <= 1024):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON Schema's integer: 2.0 is one
+    if isinstance(value, int) and _INT64[0] <= value <= _INT64[1]:
+        return value
+    raise PydanticCustomError(
+        "metadata_value",
+        "must be a string of up to 1,024 characters, a 64-bit integer or a boolean",
+    )
+
+
+MetadataValue = Annotated[
+    str | bool | int,
+    PlainValidator(_metadata_value),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "maxLength": 1024},
+                {"type": "boolean"},
+                {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]},
+            ]
+        }
+    ),
+]
 DocId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
@@ -164,7 +191,9 @@ class QueryFilter(BaseModel):
         None,
         min_length=1,
         max_length=1024,
-        description="A document uri or a folder of them, e.g. `docs/guides`.",
+        description=(
+            "A document uri, a file (every page of a PDF), or a folder of them, e.g. `docs/guides`."
+        ),
     )
     doc_ids: list[DocId] | None = Field(
         None, min_length=1, max_length=1000, description="Only these documents."
@@ -391,7 +420,13 @@ def _dependency_down(dependency: str, error: BaseException) -> ApiError:
             dependency=dependency,
         )
     return ApiError(
-        503, "dependency_unavailable", f"{dependency} unavailable: {reason}", dependency=dependency
+        503,
+        "dependency_unavailable",
+        f"{dependency} unavailable: {reason}",
+        dependency=dependency,
+        # When asking again can help: an embedding service or a reranker that failed is
+        # not asked for its cooldown, so a sooner retry gets the same 503 at once.
+        headers={"Retry-After": str(math.ceil(_RETRY_AFTER_S.get(dependency, 1.0)))},
     )
 
 
@@ -478,6 +513,10 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     first = details[0] if details else {"loc": [], "msg": "invalid request"}
     where = ".".join(part for part in first["loc"] if part != "body") or "body"
     message = f"{where}: {first['msg']}"
+    if first.get("type") == "json_invalid":  # its loc holds a character offset, not a field
+        at = first["loc"][-1] if len(first["loc"]) > 1 else "?"
+        reason = str((exc.errors()[0].get("ctx") or {}).get("error") or "JSON decode error")
+        message = f"body: not valid JSON at character {at}: {reason}"
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if where == "body" and media_type != "application/json":
         # FastAPI reads a body sent as another type (curl -d's form type) as no JSON at all.
@@ -855,7 +894,9 @@ class QueryService:
             async with asyncio.timeout_at(_answer_by.get()):
                 await self._lock.acquire()
         except TimeoutError:
-            raise _dependency_down(self._verifying, self._no_answer("")) from None
+            raise _dependency_down(
+                self._verifying, self._no_answer(self._url_of(self._verifying))
+            ) from None
         try:
             yield
         finally:
@@ -1241,7 +1282,7 @@ class QueryService:
         model) becomes ``_TooLong`` instead: the client's fault, not the service's.
         """
         try:
-            return await self._in_time(awaitable, "")
+            return await self._in_time(awaitable, self._url_of(dependency))
         except InputTooLong as error:
             if not query_input:
                 raise _dependency_down(dependency, error) from None
@@ -1275,6 +1316,14 @@ class QueryService:
                 seconds, setting = own_limit
                 raise _NoAnswer(url, f"no answer within {seconds:g}s ({setting})") from None
             raise self._no_answer(url) from None
+
+    def _url_of(self, dependency: str) -> str:
+        """Where ``dependency`` is, for the server's log (a client is never told)."""
+        if dependency == _EMBEDDING:
+            return self.embedder.base_url
+        if dependency == _RERANKER:
+            return self.reranker.base_url
+        return self.settings.qdrant_url or f"local-mode Qdrant at {self.settings.qdrant_path}"
 
     def _no_answer(self, url: str) -> _NoAnswer:
         return _NoAnswer(
@@ -1502,6 +1551,12 @@ def _auth_enforced(settings: Settings) -> bool:
 # -- the app ----------------------------------------------------------------------------------
 
 
+_SERVER_TIMING_HEADER = {
+    "description": "The server's own time on the request (`app;dur=<ms>`).",
+    "schema": {"type": "string"},
+}
+
+
 def _error_response(description: str, example: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": ErrorBody,
@@ -1572,7 +1627,7 @@ _ERR_504 = _error_response(
 _RESPONSE_EXAMPLE: dict[str, Any] = {
     "results": [
         {
-            "text": "Rotate a key with `quarry keys rotate`; the old key stays valid for an hour.",
+            "text": "Each request carries the key as `Authorization: Bearer <QUARRY_API_KEY>`.",
             "score": 0.91,
             "vector_score": 0.62,
             "rerank_score": 0.91,
@@ -1647,12 +1702,28 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
                 "description": "Passages, best first. A `Warning` header says when the "
                 "reranker was down and vector scores answered.",
                 "content": {"application/json": {"example": _RESPONSE_EXAMPLE}},
+                "headers": {
+                    "Warning": {
+                        "description": "Only when the rerank failed: "
+                        '`199 quarry "rerank failed; answered from vector scores"`.',
+                        "schema": {"type": "string"},
+                    },
+                    "Server-Timing": _SERVER_TIMING_HEADER,
+                },
             },
             **common_errors,
             409: _ERR_409,
             413: _ERR_413,
             422: _ERR_422,
-            503: _ERR_503,
+            503: {
+                **_ERR_503,
+                "headers": {
+                    "Retry-After": {
+                        "description": "Seconds until the failed dependency is asked again.",
+                        "schema": {"type": "integer"},
+                    }
+                },
+            },
             504: _ERR_504,
         },
     )
@@ -1712,7 +1783,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         },
     )
     async def readyz(request: Request, service: QueryServiceDep) -> Response:
-        """Embedding service, reranker and Qdrant answer, and the fingerprint is compatible."""
+        """Embedding service and Qdrant answer (and the reranker, where
+        `QUARRY_RERANK_REQUIRED` is set), and the fingerprint is compatible."""
         checks = await service.readiness()
         failed = [name for name, check in checks.items() if not check.ok and check.required]
         if not failed:

@@ -722,7 +722,8 @@ def api(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
-    """Serve the query API for applications (POST /v1/query, /healthz, /readyz)."""
+    """Serve the query API for applications (POST /v1/query, GET /v1/collections, /healthz,
+    /readyz)."""
     settings = _settings()
     with _errors_to_exit_codes():
         from quarry.api import serve as serve_api

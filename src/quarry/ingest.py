@@ -812,9 +812,13 @@ def _changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
 
 
 def path_prefixes(uri: str) -> list[str]:
-    """Every folder prefix of a uri (``a/``, ``a/b/``), indexed so queries can filter by folder."""
+    """Every folder prefix of a uri (``a/``, ``a/b/``), indexed so queries can filter by
+    folder; and for a page of a PDF (``a/r.pdf#page=2``) its file (``a/r.pdf``), so a
+    filter naming the file finds every page."""
     parts = uri.split("/")[:-1]
-    return ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
+    prefixes = ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
+    file = _file_uri(uri)
+    return [*prefixes, file] if file != uri else prefixes
 
 
 _PAGE_SUFFIX = re.compile(r"#page=\d+\Z")

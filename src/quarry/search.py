@@ -43,7 +43,7 @@ class SearchFilter:
                         models.FieldCondition(key="uri", match=models.MatchValue(value=prefix)),
                         models.FieldCondition(
                             key="path_prefixes",
-                            match=models.MatchValue(value=prefix.rstrip("/") + "/"),
+                            match=models.MatchAny(any=[prefix.rstrip("/") + "/", prefix]),
                         ),
                     ]
                 )
