@@ -36,6 +36,7 @@ from _common import BENCH, OUT, REPO, load, log, machine
 DOC = REPO / "docs" / "benchmarks.md"
 IMG = REPO / "docs" / "img"
 SPECIAL = ("embed_saturation", "ingest_throughput")
+QUALITY_HEADING = "## Retrieval quality, with and without rerank"
 
 
 def benchmarks() -> list[str]:
@@ -77,14 +78,57 @@ RUNS = OUT / "runs.json"
 
 def record_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Merge ``runs`` into what earlier runs recorded (one entry per benchmark, the
-    latest wins), so a page rebuilt after ``--only`` still lists every benchmark."""
+    latest wins), so a page rebuilt after ``--only`` still lists every benchmark; in a
+    fresh checkout (no bench/.out/runs.json) the earlier runs are the page's table."""
     known: dict[str, dict[str, Any]] = {}
     if RUNS.exists():
         known = {r["name"]: r for r in json.loads(RUNS.read_text())}
+    elif DOC.exists():
+        known = {r["name"]: r for r in previous_runs(DOC.read_text())}
     known.update({r["name"]: r for r in runs})
     merged = [known[name] for name in sorted(known)]
     RUNS.write_text(json.dumps(merged, indent=2))
     return merged
+
+
+# -- the page before ---------------------------------------------------------------------------
+
+KEPT_NOTE = (
+    "_Kept from the page before: this checkout has no fresh result for it in `bench/.out/`._"
+)
+
+
+def previous_sections(text: str) -> dict[str, list[str]]:
+    """The page's sections (the lines under each ``## `` heading), by heading."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = sections[line] = []
+        elif current is not None:
+            current.append(line)
+    return sections
+
+
+def previous_runs(text: str) -> list[dict[str, Any]]:
+    """The rows of the page's table of runs (benchmark, exit, seconds, last run)."""
+    runs = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].lstrip("-").isdigit():
+            seconds = cells[2] if cells[2] != "-" else None
+            runs.append(
+                {"name": cells[0], "exit": int(cells[1]), "seconds": seconds, "finished": cells[3]}
+            )
+    return runs
+
+
+def kept(previous: dict[str, list[str]], heading: str) -> list[str]:
+    """A section of the page before, marked as such; [] when it had none."""
+    body = [line for line in previous.get(heading, []) if line != KEPT_NOTE]
+    while body and not body[0].strip():
+        body.pop(0)
+    return [heading, "", KEPT_NOTE, "", *body] if body else []
 
 
 # -- reading results --------------------------------------------------------------------------
@@ -281,6 +325,8 @@ def render(runs: list[dict[str, Any]] | None) -> str:
     specs = plot_specs(saturation, ingest, quality)
     drawn = _draw(specs)
 
+    # A benchmark with no result here (a fresh checkout, an --only run) keeps its section.
+    previous = previous_sections(DOC.read_text()) if DOC.exists() else {}
     host = (saturation or ingest or {}).get("machine") or machine()
     lines = [
         "# Benchmarks",
@@ -305,14 +351,22 @@ def render(runs: list[dict[str, Any]] | None) -> str:
         lines.append("")
     if saturation:
         lines += _saturation_section(saturation, "embed_saturation.png" in drawn)
+    else:
+        lines += kept(previous, "## Embedding saturation (issue #7)")
     if ingest:
         lines += _ingest_section(ingest, drawn)
-    lines += _quality_section(quality, "retrieval_quality.png" in drawn)
+    else:
+        lines += kept(previous, "## Ingest throughput (issue #8)")
+    quality_kept = [] if quality else kept(previous, QUALITY_HEADING)
+    lines += quality_kept or _quality_section(quality, "retrieval_quality.png" in drawn)
     for name in benchmarks():
         if name in SPECIAL:
             continue
         text = OUT / f"{name}.txt"
         result = OUT / f"{name}.json"
+        if not text.exists() and not result.exists() and kept(previous, f"## {name}"):
+            lines += kept(previous, f"## {name}")
+            continue
         lines += [f"## {name}", ""]
         doc = _docstring(BENCH / f"{name}.py")
         if doc:
@@ -698,7 +752,7 @@ def _ingest_findings(r: dict[str, Any]) -> list[str]:
 
 
 def _quality_section(quality: list[dict[str, Any]], plot: bool) -> list[str]:
-    lines = ["## Retrieval quality, with and without rerank", ""]
+    lines = [QUALITY_HEADING, ""]
     if not quality:
         return [
             *lines,
