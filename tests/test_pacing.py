@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
 
 import httpx2
 import pytest
@@ -50,6 +53,60 @@ def test_a_slot_waits_for_room_under_the_limit() -> None:
         assert not entered.wait(0.2)  # the only slot is held
     waiter.join(5)
     assert entered.is_set()
+
+
+def test_cancel_waiting_sends_none_of_the_requests_waiting_for_room() -> None:
+    pacer = Pacer(ceiling=1, timeout=60.0)
+    outcome: list[BaseException | int] = []
+
+    def wait_for_room() -> None:
+        try:
+            with pacer.slot() as depth:
+                outcome.append(depth)
+        except CancelledError as error:
+            outcome.append(error)
+
+    with pacer.slot():
+        waiter = threading.Thread(target=wait_for_room)
+        waiter.start()
+        time.sleep(0.1)
+        pacer.cancel_waiting()
+        waiter.join(5)
+    assert len(outcome) == 1 and isinstance(outcome[0], CancelledError)
+    with pacer.slot() as depth:  # later requests wait and go as before
+        assert depth == 1
+
+
+def test_a_stopped_ingest_sends_nothing_more_than_the_requests_in_flight() -> None:
+    # The pool starts a thread per request; all but the pacer's first few wait for
+    # room. A stop (cancel_pending) must not let them go out one wave after another.
+    config = LocalTEIConfig(backend="hash", dims=8, latency_ms=1000.0)
+    with LocalTEIServer(config) as service:
+        with EmbeddingClient(service.url, batch_size=1, concurrency=16) as client:
+            _ = client.info
+            outcome: list[object] = []
+            caller = threading.Thread(
+                target=lambda: outcome.append(
+                    _raised(lambda: client.embed_passages([f"text {n}" for n in range(32)]))
+                )
+            )
+            caller.start()
+            time.sleep(0.3)  # the first wave is in flight
+            stopped = time.monotonic()
+            client.cancel_pending()
+            caller.join(10)
+            waited = time.monotonic() - stopped
+            sent = sum(n for (method, _), n in service.stats.requests.items() if method == "POST")
+    assert isinstance(outcome[0], CancelledError)
+    assert sent == START_IN_FLIGHT, sent  # the first wave only, not all 32
+    assert waited < 5, waited  # that wave's answer, not 8 waves of a second each
+
+
+def _raised(call: Callable[[], object]) -> object:
+    try:
+        return call()
+    except BaseException as error:
+        return error
 
 
 def _slow_service(step_ms: float) -> LocalTEIServer:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 
 __all__ = ["START_IN_FLIGHT", "Pacer"]
 
@@ -44,14 +45,21 @@ class Pacer:
         self._fast = timeout / 4
         self._slow = timeout / 2
         self._changed = threading.Condition()
+        self._generation = 0  # moved on by cancel_waiting()
 
     @contextlib.contextmanager
     def slot(self) -> Iterator[int]:
         """Wait for room, then hold it for one request; yields how many requests are in
-        flight with this one (those ahead of it in the service's queue, and itself)."""
+        flight with this one (those ahead of it in the service's queue, and itself).
+
+        CancelledError, and nothing sent, when :meth:`cancel_waiting` is called while
+        this waits."""
         with self._changed:
+            generation = self._generation
             while self.in_flight >= self.limit:
                 self._changed.wait()
+                if self._generation != generation:
+                    raise CancelledError("cancelled while waiting to be sent")
             self.in_flight += 1
             depth = self.in_flight
         try:
@@ -60,6 +68,13 @@ class Pacer:
             with self._changed:
                 self.in_flight -= 1
                 self._changed.notify()
+
+    def cancel_waiting(self) -> None:
+        """Every request waiting for room now gives up (its caller is ending: a stopped
+        ingest); requests that come later wait as before."""
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
 
     def answered(self, seconds: float, depth: int, *, full: bool = True) -> None:
         """A request sent at ``depth`` was answered after ``seconds`` (retries included).

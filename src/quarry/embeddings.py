@@ -344,14 +344,19 @@ class EmbeddingClient:
                 future.cancel()
 
     def cancel_pending(self) -> None:
-        """Cancel the embedding requests queued and not sent yet (their callers get
-        CancelledError); those in flight finish. Later calls work as before."""
+        """Cancel the embedding requests not sent yet, queued or waiting for room in
+        flight (their callers get CancelledError); those in flight finish. Later calls
+        work as before."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
             if pool is not None:
                 self._retired_pools.append(pool)  # close() waits for its requests
+            pacer = self._pace
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        if pacer is not None:
+            # A pool starts a thread per request, so most wait in the pacer, not the queue.
+            pacer.cancel_waiting()
 
     def _shared_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
