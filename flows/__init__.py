@@ -38,6 +38,7 @@ def embedded_flow_runs(
     *,
     clean_up_s: float = 0.0,
     on_stop: Callable[[int, str], None] | None = None,
+    exit_when_stopped: bool = False,
 ) -> Iterator[None]:
     """Run flows in this block as an embedded Prefect suits: no heartbeats, and Ctrl-C
     stops the process at once (saying ``interrupted``, exit 130), or, with
@@ -57,14 +58,17 @@ def embedded_flow_runs(
     unfinished collection) gets KeyboardInterrupt instead, and ``clean_up_s`` to
     finish before the process exits all the same; a second Ctrl-C exits at once.
     SIGTERM is handled the same way. With a Prefect server (``PREFECT_API_URL``)
-    the signals stay Prefect's; a stopped run is still said to be, as above.
+    the signals stay Prefect's; a stopped run is still said to be, as above, and
+    with ``exit_when_stopped`` (the command line) the process ends once the run has
+    wound down and told the server: embedding requests still in flight are not
+    waited for (their answers would be thrown away).
     """
     from prefect.settings import temporary_settings
 
     # Settings read afresh: PREFECT_API_URL may have been set since prefect was imported.
     with temporary_settings() as current:
         if current.api.url:
-            with _say_when_stopped(interrupted, on_stop):
+            with _say_when_stopped(interrupted, on_stop, exit_when_stopped):
                 yield
             return
         _filter_once("EventsWorker", _NoDrainNotice)
@@ -77,7 +81,7 @@ def embedded_flow_runs(
 
 @contextmanager
 def _say_when_stopped(
-    note: str, on_stop: Callable[[int, str], None] | None = None
+    note: str, on_stop: Callable[[int, str], None] | None = None, exit_now: bool = False
 ) -> Iterator[None]:
     """With a Prefect server, signals stay Prefect's (the run's batches wind down, the
     server hears of the crash); say that the run was stopped all the same, and exit
@@ -106,6 +110,12 @@ def _say_when_stopped(
         sys.stderr.flush()
         if on_stop is not None:
             on_stop(code, said)
+        if exit_now:
+            # The flow run has recorded its crash and released its locks; what is left
+            # are threads waiting on abandoned requests, which a normal exit joins.
+            _flush_prefect_logs()
+            sys.stdout.flush()
+            os._exit(code)
         if terminated:
             raise SystemExit(code) from None
         raise
@@ -169,6 +179,16 @@ def _stop_on_signals(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _flush_prefect_logs() -> None:
+    """Send the run's last log lines to the Prefect server before an abrupt exit."""
+    try:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()
+    except Exception:  # the exit goes ahead: the server already knows the run crashed
+        pass
 
 
 def _stop_embedded_prefect_server() -> None:

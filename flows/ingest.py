@@ -26,7 +26,7 @@ from flows import quiet_quarry_tracebacks
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
-from quarry.errors import QuarryError, StoreLocked
+from quarry.errors import QuarryError, ServiceUnavailable, StoreLocked
 from quarry.ingest import (
     PROGRESS_SECONDS,
     BatchResult,
@@ -95,6 +95,7 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
     running reindex is building.
     """
     if settings.qdrant_url:
+        import httpx
         from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
         from prefect.concurrency.sync import concurrency
 
@@ -110,7 +111,19 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
                 held.enter_context(
                     concurrency(name, occupy=1, strict=False, max_retries=None if wait else 0)
                 )
-            except ConcurrencySlotAcquisitionError:
+            except ConcurrencySlotAcquisitionError as error:
+                # Prefect raises this for every failure to take the slot: only a 423 is
+                # a slot another run holds (a flow, retrying for ever, never sees one).
+                cause = error.__cause__
+                if not (
+                    isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423
+                ):
+                    from prefect.settings import PREFECT_API_URL
+
+                    raise ServiceUnavailable(
+                        str(PREFECT_API_URL.value() or "the Prefect API"),
+                        f"could not take the Prefect concurrency limit {name!r}: {cause or error}",
+                    ) from None
                 raise StoreLocked(
                     collection,
                     f"an ingest or reindex of {collection!r} is running (it holds the "

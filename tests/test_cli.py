@@ -420,6 +420,20 @@ def test_prune_refuses_while_a_reindex_holds_the_collections_prefect_slot(
     assert "Qdrant at http://127.0.0.1:9" in json.loads(free.stdout)["error"]["message"]
 
 
+def test_prune_with_the_prefect_api_down_says_so_not_that_a_writer_runs(tmp_path: Path) -> None:
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_COLLECTION": "slotted",
+        "QUARRY_QDRANT_URL": "http://127.0.0.1:9",
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",  # nothing listens there
+    }
+    result = run(["prune", "--json"], env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    message = json.loads(result.stdout)["error"]["message"]
+    assert "is running" not in message
+    assert "http://127.0.0.1:9/api" in message and "quarry-ingest-slotted" in message
+
+
 def test_a_data_dir_that_cannot_be_a_folder_is_a_usage_error_naming_it(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:
@@ -616,6 +630,50 @@ def clean_up_demo() -> None:
 sys.argv = ["quarry", "clean-up-demo"]
 cli.main()
 """
+
+
+def test_a_stop_under_a_prefect_server_waits_for_no_embedding_answer(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    # Operator trial: SIGTERM to an ingest under a Prefect server took 98 s against a
+    # service answering in 20 s (the queued requests went out wave after wave, then
+    # the exit joined the threads waiting on their answers). Only a rerun needs them.
+    corpus = write_corpus(tmp_path / "kb", MANY_FILES)
+    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=4000.0)
+    served = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    with LocalTEIServer(slow) as service:
+        served.update(
+            QUARRY_DATA_DIR=str(tmp_path / "d"),
+            QUARRY_EMBED_URL=service.url,
+            PREFECT_API_URL=prefect_api,
+        )
+        log = tmp_path / "err"
+        with log.open("w") as stderr:
+            process = subprocess.Popen(
+                [*QUARRY, "ingest", str(corpus), "--json"],
+                env=served,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
+        try:
+            deadline = time.monotonic() + 240
+            # The canary, then the first batches' requests, are in flight.
+            while sum(n for (m, _), n in service.stats.requests.items() if m == "POST") < 3:
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            answered = service.stats.responses.get(200, 0)
+            process.send_signal(signal.SIGTERM)
+            out, _ = process.communicate(timeout=60)
+            # Gone before the service answered what was in flight.
+            assert service.stats.responses.get(200, 0) == answered, log.read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 143, log.read_text()
+    assert json.loads(out)["error"]["type"] == "interrupted"
+    assert "Traceback" not in log.read_text()
 
 
 def test_sigterm_to_a_run_that_cleans_up_exits_143(tmp_path: Path) -> None:

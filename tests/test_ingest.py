@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -726,6 +727,21 @@ def test_an_edited_document_re_embeds_only_the_chunks_whose_text_changed(
         assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
 
 
+def test_stored_vectors_that_cannot_be_read_are_embedded_again(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = harness.run()
+
+    def unreadable(*args: object, **kwargs: object) -> None:
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(VectorStore, "retrieve", unreadable)
+    again = harness.run(chunker=Chunker(64, 9))  # other settings: every document re-chunks
+    assert (again.documents_embedded, again.chunks_reused, again.failures) == (len(CORPUS), 0, [])
+    assert again.chunks_embedded >= first.chunks_embedded - 2
+    assert "could not read stored vectors to reuse (timed out)" in caplog.text
+
+
 def test_a_new_chunker_version_that_keeps_the_chunks_sends_nothing_to_the_service(
     harness: Harness, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1040,3 +1056,92 @@ def test_overlapping_syncs_restore_the_threshold_when_the_last_one_ends() -> Non
         assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_chunk_split_after_its_headings_keeps_no_vector_of_a_part(tmp_path: Path) -> None:
+    # With headings embedded, a chunk over the model's limit may be split right after the
+    # headings prefix: the last part then holds all of the chunk's text, and its point must
+    # not pass for the whole chunk, or a re-write of the document reuses that part's
+    # vector (the text without its headings) for the chunk and drops the headings part.
+    head = "# A fairly long title for a document about granite quarries\n\n"
+    head += "## The water that filled the terraces after nineteen twenty\n\n"
+    body = "、".join("台地石头铁路城市水深四十米" * 12)
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=70)) as server:
+        harness = Harness(tmp_path, server.url)
+        harness.root = write_corpus(tmp_path / "split", {"doc.md": head + body + "\n"})
+        harness.run(embed_headings=True)
+        parts = [p for p, _ in _chunk_vectors(harness).values() if p["token_count"] is None]
+        assert any(p["text"] == "" for p in parts)  # a part that is headings alone
+        (harness.root / "doc.md").write_text(head + body + "\n\n## Later\n\nA new section.\n")
+        edited = harness.run(embed_headings=True)
+        assert edited.documents_embedded == 1
+        rebuilt = Harness(tmp_path / "rebuilt", server.url)
+        rebuilt.root = harness.root
+        rebuilt.run(embed_headings=True)
+        kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
+        assert kept.keys() == fresh.keys()
+        for key, (payload, vector) in kept.items():
+            assert (payload["text"], payload["token_count"]) == (
+                fresh[key][0]["text"],
+                fresh[key][0]["token_count"],
+            ), key
+            assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+
+
+def test_a_part_written_as_whole_before_is_not_reused(tmp_path: Path) -> None:
+    # Points an earlier quarry wrote gave such a last part the chunk's token_count.
+    head = "# A fairly long title for a document about granite quarries\n\n"
+    head += "## The water that filled the terraces after nineteen twenty\n\n"
+    body = "、".join("台地石头铁路城市水深四十米" * 12)
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=70)) as server:
+        harness = Harness(tmp_path / "old", server.url)
+        harness.root = write_corpus(tmp_path / "split", {"doc.md": head + body + "\n"})
+        harness.run(embed_headings=True)
+        store = VectorStore(open_client(harness.settings), "test")
+        try:
+            records = sorted(store.scroll(), key=lambda r: int((r.payload or {})["chunk_index"]))
+            for before, after in itertools.pairwise(records):
+                b, a = before.payload or {}, after.payload or {}
+                if b["text"] == "" and b["char_start"] == a["char_start"]:
+                    store.client.set_payload(
+                        store.resolve() or "", payload={"token_count": 64}, points=[after.id]
+                    )
+        finally:
+            store.close()
+        (harness.root / "doc.md").write_text(head + body + "\n\n## Later\n\nA new section.\n")
+        harness.run(embed_headings=True)
+        embedder = EmbeddingClient(server.url, retry=NO_WAIT)
+        try:
+            for payload, vector in _chunk_vectors(harness).values():
+                if payload["token_count"] is not None:
+                    text = " > ".join(payload["headings"]) + "\n\n" + payload["text"]
+                    (whole,) = embedder.embed_passages([text])[0]  # type: ignore[misc]
+                    assert vector == pytest.approx(whole.vector, abs=1e-6)
+        finally:
+            embedder.close()
+
+
+def test_vectors_of_another_model_are_not_reused_where_no_fingerprint_says_which(
+    harness: Harness, tmp_path: Path
+) -> None:
+    from quarry.store import META_FINGERPRINT
+
+    (harness.root / "alpha.md").write_text("# Alpha\n\n" + "Alpha is the first letter. " * 60)
+    harness.run()
+    store = VectorStore(open_client(harness.settings), "test")
+    try:
+        store.update_metadata({META_FINGERPRINT: None})  # a collection quarry did not create
+    finally:
+        store.close()
+    (harness.root / "alpha.md").write_text("# Alpha\n\n" + "Alpha is the first letter. " * 61)
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+        report = harness.run(url=other.url)
+        assert report.chunks_reused == 0
+        embedder = EmbeddingClient(other.url, retry=NO_WAIT)
+        try:
+            for payload, vector in _chunk_vectors(harness).values():
+                if payload["uri"].endswith("alpha.md"):
+                    (part,) = embedder.embed_passages([payload["text"]])[0]  # type: ignore[misc]
+                    assert vector == pytest.approx(part.vector, abs=1e-6)
+        finally:
+            embedder.close()

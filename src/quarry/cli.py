@@ -232,7 +232,7 @@ def ingest(
     with (
         _errors_to_exit_codes(),
         _ingest_progress(),
-        embedded_flow_runs(stopped, on_stop=_json_when_stopped),
+        embedded_flow_runs(stopped, on_stop=_json_when_stopped, exit_when_stopped=True),
     ):
         from flows.ingest import ingest_flow
 
@@ -542,7 +542,9 @@ def reindex(
     )
     with (
         _errors_to_exit_codes(),
-        embedded_flow_runs(stopped, clean_up_s=10.0, on_stop=_json_when_stopped),
+        embedded_flow_runs(
+            stopped, clean_up_s=10.0, on_stop=_json_when_stopped, exit_when_stopped=True
+        ),
     ):
         from flows.reindex import reindex_flow
 

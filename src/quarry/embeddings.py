@@ -25,7 +25,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -68,6 +69,10 @@ _TOO_LONG_SHARE = 0.1
 DEFAULT_BATCH_SIZE = 32
 
 EmbedDialect = Literal["auto", "tei", "openai"]
+
+
+_CANCEL_POLL_S = 0.2
+"""How often a caller waiting on pooled requests checks whether they were cancelled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +228,7 @@ class EmbeddingClient:
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
         self._pool: ThreadPoolExecutor | None = None
         self._retired_pools: list[ThreadPoolExecutor] = []
+        self._cancels = 0  # how many times cancel_pending() was called
         self._pace: Pacer | None = None
         self._pool_lock = threading.Lock()
 
@@ -333,24 +339,34 @@ class EmbeddingClient:
                 results.extend(self._embed_batch(list(texts[start:end]), names[start:end]))
             return results
         pool = self._shared_pool()
+        cancels = self._cancels
         futures = [
             pool.submit(self._embed_batch, list(texts[start:end]), names[start:end])
             for start, end in itertools.chain([first, second], batches)
         ]
         try:
-            return [result for future in futures for result in future.result()]
+            return [result for future in futures for result in self._outcome(future, cancels)]
         finally:
             for future in futures:  # a failed batch abandons the batches not yet started
                 future.cancel()
 
+    def _outcome(self, future: Future[list[EmbedResult]], cancels: int) -> list[EmbedResult]:
+        """``future.result()``, unless :meth:`cancel_pending` is called meanwhile: then
+        CancelledError at once, and a request in flight is left to finish alone."""
+        while future not in futures_wait([future], timeout=_CANCEL_POLL_S).done:
+            if self._cancels != cancels:
+                raise CancelledError("embedding cancelled: the run is stopping")
+        return future.result()
+
     def cancel_pending(self) -> None:
         """Cancel the embedding requests not sent yet, queued or waiting for room in
-        flight (their callers get CancelledError); those in flight finish. Later calls
-        work as before."""
+        flight (their callers get CancelledError at once); those in flight are
+        abandoned (answered, nobody reads them). Later calls work as before."""
         with self._pool_lock:
+            self._cancels += 1
             pool, self._pool = self._pool, None
             if pool is not None:
-                self._retired_pools.append(pool)  # close() waits for its requests
+                self._retired_pools.append(pool)
             pacer = self._pace
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -648,10 +664,12 @@ class EmbeddingClient:
     def close(self) -> None:
         """Release connections (and the threads of the shared pool)."""
         with self._pool_lock:
-            pools = [*self._retired_pools, *([self._pool] if self._pool else [])]
+            pool, retired = self._pool, self._retired_pools
             self._pool, self._retired_pools = None, []
-        for pool in pools:
+        if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        for abandoned in retired:  # requests of a stopped run: not waited for
+            abandoned.shutdown(wait=False, cancel_futures=True)
         self._http.close()
         self._openai.close()
 

@@ -61,6 +61,9 @@ from quarry.sources import (
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
 UPSERT_BATCH = 256
+# Stored points read per request when a re-written document's vectors are reused.
+REUSE_READ_PAGE = 1024
+_REUSE_FIELDS = ("doc_id", "text", "headings", "token_count", "char_start", "chunking", "model_key")
 # A batch of documents is the unit of parallel work (one Prefect task): big enough
 # that scheduling is noise, small enough that a failure or a retry costs little.
 BATCH_DOCUMENTS = 64
@@ -571,16 +574,34 @@ class IndexSync:
                 ids.extend(point_id(document.doc_id, index) for index in sorted(state.indexes))
         if not ids:
             return {}
+        assert self.fingerprint is not None, "prepare() must run first"
+        records: list[models.Record] = []
+        try:
+            for start in range(0, len(ids), REUSE_READ_PAGE):
+                page = ids[start : start + REUSE_READ_PAGE]
+                records += self.store.retrieve(page, _REUSE_FIELDS, with_vectors=True)
+        except Exception as error:  # an optimisation: without it, everything is embedded
+            logger.warning("could not read stored vectors to reuse (%s); embedding all", error)
+            return {}
+        # The parts of a chunk the service split have no token_count; before that held
+        # for every part, the last could look whole (all of the chunk's text, the parts
+        # before it only its headings) and holds the vector of a part: it starts where they do.
+        split_at = {
+            (payload.get("doc_id"), payload.get("char_start"))
+            for payload in (record.payload or {} for record in records)
+            if payload.get("token_count") is None
+        }
         vectors: dict[str, list[float]] = {}
-        for record in self.store.retrieve(
-            ids, ["text", "headings", "token_count", "chunking"], with_vectors=True
-        ):
+        for record in records:
             payload = record.payload or {}
             with_headings = self._headings_by_key.get(payload.get("chunking"))
             text, vector = payload.get("text"), record.vector
             if (
                 with_headings is None
+                # Made by this model: a collection without quarry's fingerprint says nothing.
+                or payload.get("model_key") != self.fingerprint.model_key
                 or payload.get("token_count") is None
+                or (payload.get("doc_id"), payload.get("char_start")) in split_at
                 or not isinstance(text, str)
                 or not isinstance(vector, list)
                 or not all(isinstance(x, float) for x in vector)
@@ -636,7 +657,7 @@ class IndexSync:
         chunking: str | None,
     ) -> list[models.PointStruct]:
         assert self.fingerprint is not None, "prepare() must run first"
-        pieces: list[tuple[Chunk, str, int, int, list[float]]] = []
+        pieces: list[tuple[Chunk, str, int, int, list[float], bool]] = []
         for chunk, parts in zip(chunks, outcomes, strict=True):
             prefix = len(self._embedding_text(chunk)) - len(chunk.text)
             offset = 0
@@ -648,7 +669,14 @@ class IndexSync:
                 if len(parts) == 1:
                     start, end = 0, len(chunk.text)
                 pieces.append(
-                    (chunk, text, chunk.char_start + start, chunk.char_start + end, part.vector)
+                    (
+                        chunk,
+                        text,
+                        chunk.char_start + start,
+                        chunk.char_start + end,
+                        part.vector,
+                        len(parts) == 1,
+                    )
                 )
         now = datetime.now(UTC).isoformat()
         total = len(pieces)
@@ -657,7 +685,7 @@ class IndexSync:
         source = document.uri.split("/", 1)[0]
         prefixes = path_prefixes(document.uri)
         points = []
-        for index, (chunk, text, char_start, char_end, vector) in enumerate(pieces):
+        for index, (chunk, text, char_start, char_end, vector, whole) in enumerate(pieces):
             payload: dict[str, Any] = {
                 "doc_id": document.doc_id,
                 "uri": document.uri,
@@ -669,7 +697,9 @@ class IndexSync:
                 "doc_hash": document.doc_hash,
                 "text": text,
                 "headings": list(chunk.headings),
-                "token_count": chunk.token_count if len(text) == len(chunk.text) else None,
+                # A part of a split chunk has none, even one with all of its text (the
+                # headings prefix went to the part before): its vector is not the chunk's.
+                "token_count": chunk.token_count if whole else None,
                 "char_start": char_start,
                 "char_end": char_end,
                 "model_key": model_key,
