@@ -33,6 +33,7 @@ def reindex_flow(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     allow_mass_delete: bool = False,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Rebuild ``collection`` with the live embedding model and switch its alias to it.
 
@@ -45,6 +46,8 @@ def reindex_flow(
         exclude: With ``from_source``: globs of files to skip, besides the default ones.
         allow_mass_delete: Switch even when the new collection lacks more than
             ``QUARRY_MAX_DELETE_FRACTION`` of the documents the alias serves.
+        force: Rebuild the stored chunks even when the live model, served as the
+            collection's, and the chunk settings would only copy it.
 
     Returns:
         The reindex report (``ReindexReport.to_dict()``).
@@ -96,6 +99,7 @@ def reindex_flow(
             allow_mass_delete=allow_mass_delete,
             gate=gate if eval_dataset else None,
             progress=logger.info,
+            force=force,
         )
     for note in report.notes:
         logger.warning(note)

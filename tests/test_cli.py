@@ -604,7 +604,7 @@ def test_ctrl_c_during_an_embedded_reindex_drops_the_unfinished_collection(
     before = json.loads(run(["collections", "--json"], served).stdout)
     with LocalTEIServer(SLOW_TEI) as slow:  # the same model, served slowly
         env = {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": slow.url}
-        said = ctrl_c_when(["reindex", "--json"], env, "re-embedded", tmp_path / "err")
+        said = ctrl_c_when(["reindex", "--force", "--json"], env, "re-embedded", tmp_path / "err")
     assert "interrupted" in said
     error = json.loads((tmp_path / "err.out").read_text())["error"]
     assert (error["type"], error["exit_code"]) == ("interrupted", 130)

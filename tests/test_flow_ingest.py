@@ -162,11 +162,11 @@ def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     corpus = write_corpus(tmp_path / "kb", {f"d{i}.md": f"Topic {i}. " * 30 for i in range(4)})
     ingest_flow(sources=[str(corpus)], collection="gated")
     # The evaluation runs on the flow's own clients: local-mode Qdrant admits one per process.
-    passed = reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=0.0)
+    passed = reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=0.0, force=True)
     assert passed["switched"] is True
     assert passed["evaluation"]["dataset"] == "beir_tiny"
     with pytest.raises(Refused, match="below --min-ndcg"):
-        reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.01)
+        reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.01, force=True)
 
 
 def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() -> None:

@@ -151,12 +151,33 @@ def test_prune_keeps_the_live_collection_and_the_newest(
 ) -> None:
     index.ingest(old_model.url)
     reindex(index.store, lambda store: index.sync(new_model.url, store))
-    reindex(index.store, lambda store: index.sync(new_model.url, store))
+    reindex(index.store, lambda store: index.sync(new_model.url, store), force=True)
     assert len(index.store.collections()) == 3
     live = index.store.alias_target()
     dropped = prune(index.store, keep=1)
     assert len(dropped) == 2
     assert [info.name for info in index.store.collections()] == [live]
+
+
+def test_a_reindex_that_would_only_copy_the_live_collection_is_refused(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    # Operator trial: a second reindex to the same model made an identical copy, and
+    # `prune --keep 2` then deleted the old model's collection, the real way back.
+    index.ingest(old_model.url)
+    first = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    new_model.stats.reset()
+    with pytest.raises(Refused, match=r"would only copy it. Pass --force"):
+        reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert new_model.stats.inputs_embedded == 1  # the live model's canary, nothing built
+    assert {info.name for info in index.store.collections()} == {first.collection, first.previous}
+
+    # Other chunk settings are a real rebuild (as is --from-source, or --force).
+    def headed(store: VectorStore) -> IndexSync:
+        return IndexSync(store, index.embedder(new_model.url), Chunker(64, 8), embed_headings=True)
+
+    rebuilt = reindex(index.store, headed)
+    assert rebuilt.switched and rebuilt.previous == first.collection
 
 
 def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(
@@ -241,7 +262,8 @@ def test_reindex_from_only_some_sources_is_not_switched_to(
             lambda store: index.sync(new_model.url, store),
             from_source=[open_source(other)],
         )
-    assert "corpus (8 of 8)" in str(caught.value)  # names the source left out
+    # Names the source left out, and the rule (not a fraction the setting does not hold).
+    assert "sources left out of --from-source: corpus (8 of 8)" in str(caught.value)
     # However small: a source of 1 in 9 documents, left out, is refused as well.
     with pytest.raises(MassDeleteRefused, match=r"other \(1 of 1\)"):
         reindex(
@@ -287,7 +309,7 @@ def test_a_canary_that_drifts_during_the_reindex_drops_the_build_and_blames_the_
 
     monkeypatch.setattr(quarry.ingest, "read_fingerprint", drifting)
     with pytest.raises(StoreError, match="not deterministic or changed during the reindex") as e:
-        reindex(index.store, lambda store: index.sync(new_model.url, store))
+        reindex(index.store, lambda store: index.sync(new_model.url, store), force=True)
     assert "quarry reindex" not in str(e.value)  # not the advice to run what is running
     assert index.store.alias_target() == served
     assert [info.name for info in index.store.collections()] == [served]

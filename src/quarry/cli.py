@@ -514,6 +514,12 @@ def reindex(
             "QUARRY_MAX_DELETE_FRACTION of the served documents."
         ),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Rebuild even when the model, its serving and the settings match."
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Rebuild the collection with the live model beside the old one, then switch the alias."""
@@ -556,6 +562,7 @@ def reindex(
             include=include,
             exclude=exclude,
             allow_mass_delete=allow_mass_delete,
+            force=force,
         )
 
     def human() -> None:

@@ -235,6 +235,7 @@ def reindex(
     allow_mass_delete: bool = False,
     gate: Callable[[], dict[str, Any]] | None = None,
     progress: Callable[[str], None] = lambda message: None,
+    force: bool = False,
 ) -> ReindexReport:
     """Rebuild the alias's collection with the live model and switch to it when it checks out.
 
@@ -269,6 +270,8 @@ def reindex(
         if recorded:
             chunking = index_settings(recorded, probe.embed_headings)
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
+        if not force:
+            _refuse_identical(store, previous, live, chunking)
     physical = store.create_physical(live, chunking, extra_metadata={META_BUILD: BUILDING})
     target = store.view(physical)
     gate_refused = False
@@ -477,6 +480,27 @@ def _guard_lost_documents(
     _refuse_lost(alias, what, lost, served, fraction)
 
 
+def _refuse_identical(
+    store: VectorStore, previous: str, live: Fingerprint, chunking: Mapping[str, Any]
+) -> None:
+    """Refuse a rebuild of the stored chunks that would copy ``previous`` as it is: the
+    same model served the same way, the same chunk settings. The copy would also push
+    the collection the alias served before out of what ``prune --keep 2`` keeps."""
+    stored = store.fingerprint(previous)
+    if (
+        stored is None
+        or stored.model_key != live.model_key
+        or stored.serving != live.serving
+        or dict(store.metadata(previous).get(META_CHUNKING) or {}) != dict(chunking)
+    ):
+        return
+    raise Refused(
+        f"{store.alias!r} is served by {previous}, built by {live.model.describe()} served "
+        "as it is now, with the same chunk settings: a reindex would only copy it. Pass "
+        "--force to rebuild it all the same, or --from-source PATH to re-read the files"
+    )
+
+
 def _source_of(state: DocState) -> str:
     return state.uri.split("/", 1)[0]
 
@@ -494,9 +518,14 @@ def _refuse_lost(
     shown = ", ".join(
         f"{name} ({lost_per_source[name]} of {per_source[name]})" for name in over[:5]
     )
+    rule = (
+        "sources left out of --from-source"
+        if fraction == 0.0
+        else f"sources losing more than QUARRY_MAX_DELETE_FRACTION={fraction:.0%}"
+    )
     raise MassDeleteRefused(
         f"{what} would leave out {len(lost)} of the {len(served)} documents {alias!r} "
-        f"serves; sources losing more than QUARRY_MAX_DELETE_FRACTION={fraction:.0%}: "
+        f"serves; {rule}: "
         f"{shown}{', ...' if len(over) > 5 else ''}. Give --from-source every source "
         "(repeat the option), with the --include/--exclude globs they were ingested with, "
         "or rerun with --allow-mass-delete if this is intended. The alias was not switched."
