@@ -229,6 +229,25 @@ def test_query_refuses_a_different_model(
     assert "Traceback" not in ingest.stderr, ingest.stderr
 
 
+def test_rollback_names_the_model_the_collection_it_returns_to_needs(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    corpus = write_corpus(tmp_path / "c", {"a.md": "Alpha text. " * 20})
+    env = {"QUARRY_DATA_DIR": str(tmp_path / "d"), "PREFECT_API_URL": prefect_api}
+    assert run(["ingest", str(corpus)], {**env, "QUARRY_EMBED_URL": tei.url}).returncode == 0
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as other:
+        other_model = {**env, "QUARRY_EMBED_URL": other.url}
+        assert run(["reindex"], other_model).returncode == 0
+        back = run(["rollback", "--json"], env)
+        assert back.returncode == 0, back.stderr
+        model = json.loads(back.stdout)["model"]
+        assert model["model_id"].startswith("quarry/hash-embedding-16d"), model
+        assert run(["reindex"], other_model).returncode == 0
+    said = run(["rollback"], env)  # in words too
+    assert "built by quarry/hash-embedding-16d" in said.stdout, said.stdout
+    assert "serve that model" in said.stdout
+
+
 def test_a_query_too_long_for_the_model_is_a_usage_error(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:

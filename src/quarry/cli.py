@@ -590,10 +590,19 @@ def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> 
             store = VectorStore(open_client(settings), settings.collection)
             try:
                 current, previous = roll_back(store)
+                built_by = store.fingerprint(previous)
             finally:
                 store.close()
-    data = {"alias": settings.collection, "from": current, "to": previous}
-    _emit(as_json, data, lambda: typer.echo(f"{settings.collection}: {current} -> {previous}"))
+    data: dict[str, Any] = {"alias": settings.collection, "from": current, "to": previous}
+    if built_by is not None:
+        data["model"] = {"model_id": built_by.model.model_id, "model_key": built_by.model_key}
+
+    def human() -> None:
+        typer.echo(f"{settings.collection}: {current} -> {previous}")
+        if built_by is not None:  # queries and ingests are refused until it is served
+            typer.echo(f"  built by {built_by.model.describe()}: serve that model for it")
+
+    _emit(as_json, data, human)
 
 
 @app.command()
