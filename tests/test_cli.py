@@ -651,6 +651,10 @@ cli.main()
 """
 
 
+def _embeds(method: str, path: str) -> bool:
+    return method == "POST" and path in ("/embed", "/v1/embeddings")
+
+
 def test_a_stop_under_a_prefect_server_waits_for_no_embedding_answer(
     tmp_path: Path, prefect_api: str
 ) -> None:
@@ -658,7 +662,9 @@ def test_a_stop_under_a_prefect_server_waits_for_no_embedding_answer(
     # service answering in 20 s (the queued requests went out wave after wave, then
     # the exit joined the threads waiting on their answers). Only a rerun needs them.
     corpus = write_corpus(tmp_path / "kb", MANY_FILES)
-    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=4000.0)
+    # Slow enough that no answer can land between the signal and the exit, however
+    # busy the machine (a 4 s service once answered in that window under the suite).
+    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=12000.0)
     served = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
     with LocalTEIServer(slow) as service:
         served.update(
@@ -678,7 +684,7 @@ def test_a_stop_under_a_prefect_server_waits_for_no_embedding_answer(
         try:
             deadline = time.monotonic() + 240
             # The canary, then the first batches' requests, are in flight.
-            while sum(n for (m, _), n in service.stats.requests.items() if m == "POST") < 3:
+            while sum(n for (m, path), n in service.stats.requests.items() if _embeds(m, path)) < 3:
                 assert process.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.1)
