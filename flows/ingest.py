@@ -103,9 +103,9 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
         if not wait:
             # Prefect also logs the refused acquisition as an ERROR from its own
             # thread; the StoreLocked below says it once, and plainly.
-            logging.getLogger("prefect._internal.concurrency").addFilter(
-                lambda record: "ConcurrencySlotAcquisition" not in record.getMessage()
-            )
+            noisy = logging.getLogger("prefect._internal.concurrency")
+            if _not_a_refused_slot not in noisy.filters:
+                noisy.addFilter(_not_a_refused_slot)
         with ExitStack() as held:
             try:
                 held.enter_context(
@@ -154,6 +154,10 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
         yield
     finally:
         lock.release()
+
+
+def _not_a_refused_slot(record: logging.LogRecord) -> bool:
+    return "ConcurrencySlotAcquisition" not in record.getMessage()
 
 
 def source_specs(

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,10 +69,6 @@ _TOO_LONG_SHARE = 0.1
 DEFAULT_BATCH_SIZE = 32
 
 EmbedDialect = Literal["auto", "tei", "openai"]
-
-
-_CANCEL_POLL_S = 0.2
-"""How often a caller waiting on pooled requests checks whether they were cancelled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +223,8 @@ class EmbeddingClient:
         # One pool per client, shared by every caller: ``concurrency`` bounds the requests
         # in flight for the whole client, however many threads (Prefect tasks) embed at once.
         self._pool: ThreadPoolExecutor | None = None
-        self._retired_pools: list[ThreadPoolExecutor] = []
-        self._cancels = 0  # how many times cancel_pending() was called
+        # Done when cancel_pending() is called; each call puts a fresh one in its place.
+        self._cancelled: Future[None] = Future()
         self._pace: Pacer | None = None
         self._pool_lock = threading.Lock()
 
@@ -339,36 +335,27 @@ class EmbeddingClient:
                 results.extend(self._embed_batch(list(texts[start:end]), names[start:end]))
             return results
         pool = self._shared_pool()
-        cancels = self._cancels
+        cancelled = self._cancelled
         futures = [
             pool.submit(self._embed_batch, list(texts[start:end]), names[start:end])
             for start, end in itertools.chain([first, second], batches)
         ]
         try:
-            return [result for future in futures for result in self._outcome(future, cancels)]
+            return [result for future in futures for result in _outcome(future, cancelled)]
         finally:
             for future in futures:  # a failed batch abandons the batches not yet started
                 future.cancel()
-
-    def _outcome(self, future: Future[list[EmbedResult]], cancels: int) -> list[EmbedResult]:
-        """``future.result()``, unless :meth:`cancel_pending` is called meanwhile: then
-        CancelledError at once, and a request in flight is left to finish alone."""
-        while future not in futures_wait([future], timeout=_CANCEL_POLL_S).done:
-            if self._cancels != cancels:
-                raise CancelledError("embedding cancelled: the run is stopping")
-        return future.result()
 
     def cancel_pending(self) -> None:
         """Cancel the embedding requests not sent yet, queued or waiting for room in
         flight (their callers get CancelledError at once); those in flight are
         abandoned (answered, nobody reads them). Later calls work as before."""
         with self._pool_lock:
-            self._cancels += 1
+            cancelled, self._cancelled = self._cancelled, Future()
             pool, self._pool = self._pool, None
-            if pool is not None:
-                self._retired_pools.append(pool)
             pacer = self._pace
-        if pool is not None:
+        cancelled.set_result(None)
+        if pool is not None:  # its requests in flight are not waited for, here or in close()
             pool.shutdown(wait=False, cancel_futures=True)
         if pacer is not None:
             # A pool starts a thread per request, so most wait in the pacer, not the queue.
@@ -664,12 +651,9 @@ class EmbeddingClient:
     def close(self) -> None:
         """Release connections (and the threads of the shared pool)."""
         with self._pool_lock:
-            pool, retired = self._pool, self._retired_pools
-            self._pool, self._retired_pools = None, []
+            pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for abandoned in retired:  # requests of a stopped run: not waited for
-            abandoned.shutdown(wait=False, cancel_futures=True)
         self._http.close()
         self._openai.close()
 
@@ -678,6 +662,16 @@ class EmbeddingClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _outcome(future: Future[list[EmbedResult]], cancelled: Future[None]) -> list[EmbedResult]:
+    """``future.result()``, unless ``cancelled`` is done first (the run is stopping): then
+    CancelledError at once, and a request in flight is left to finish alone."""
+    either: list[Future[Any]] = [future, cancelled]
+    futures_wait(either, return_when=FIRST_COMPLETED)
+    if not future.done():
+        raise CancelledError("embedding cancelled: the run is stopping")
+    return future.result()
 
 
 def _keep_usable(

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from qdrant_client import models
 
@@ -445,9 +445,8 @@ class IndexSync:
         caller is about to close the clients (and release the writers' lock).
 
         Returns once no write is under way, so none lands after the lock is released.
-        Batches still embedding return without writing, at once if their requests
-        were queued (cancelled here), else when they are answered or meet a closed
-        client; a rerun does their work.
+        Batches still embedding return at once without writing (their requests are
+        cancelled here, those in flight abandoned); a rerun does their work.
         """
         self._stopping.set()
         self.embedder.cancel_pending()
@@ -484,6 +483,8 @@ class IndexSync:
         a reindex re-embeds stored chunks that other settings may have made.
         """
         result = BatchResult()
+        if self._stopping.is_set():
+            return result
         stored = self._stored_vectors(chunked)
         inputs = [[self._embedding_text(chunk) for chunk in chunks] for _, chunks in chunked]
         texts: list[str] = []
@@ -507,11 +508,16 @@ class IndexSync:
         points: list[models.PointStruct] = []
         written: list[tuple[Document, int, int]] = []
         for (document, chunks), embedding_texts in zip(chunked, inputs, strict=True):
-            outcomes: list[EmbedResult] = [
-                [EmbeddedPart(text, stored[text])] if text in stored else next(embedded)
-                for text in embedding_texts
-            ]
-            reused = sum(1 for text in embedding_texts if text in stored)
+            outcomes: list[EmbedResult] = []
+            tokens = reused = 0
+            for chunk, text in zip(chunks, embedding_texts, strict=True):
+                vector = stored.get(text)
+                if vector is None:
+                    outcomes.append(next(embedded))
+                    tokens += chunk.token_count
+                else:
+                    outcomes.append([EmbeddedPart(text, vector)])
+                    reused += 1
             failure = next((o for o in outcomes if isinstance(o, EmbedFailure)), None)
             if failure is not None:
                 result.failures.append(Failure(document.uri, str(failure.error)))
@@ -524,11 +530,7 @@ class IndexSync:
             doc_points = self._points(document, chunks, outcomes, chunking)  # type: ignore[arg-type]
             points.extend(doc_points)
             written.append((document, len(doc_points), reused))
-            result.tokens_embedded += sum(
-                chunk.token_count
-                for chunk, text in zip(chunks, embedding_texts, strict=True)
-                if text not in stored
-            )
+            result.tokens_embedded += tokens
 
         with self._write_slot() as open_:
             if not open_:
@@ -604,11 +606,11 @@ class IndexSync:
                 or (payload.get("doc_id"), payload.get("char_start")) in split_at
                 or not isinstance(text, str)
                 or not isinstance(vector, list)
-                or not all(isinstance(x, float) for x in vector)
+                or not (vector and isinstance(vector[0], float))  # not a multivector
             ):
                 continue
             headings = payload.get("headings") or []
-            vectors[_embedding_text(text, headings, with_headings)] = cast("list[float]", vector)
+            vectors[_embedding_text(text, headings, with_headings)] = vector
         return vectors
 
     @contextmanager

@@ -77,9 +77,7 @@ def measure_parity(
         )
     ids = [str(record.id) for record in store.scroll(fields=False)]
     chosen = random.Random(seed).sample(ids, min(sample, len(ids)))
-    records = store.client.retrieve(
-        store.resolve() or "", ids=chosen, with_payload=True, with_vectors=True
-    )
+    records = store.retrieve(chosen, ["text", "token_count"], with_vectors=True)
     records = [r for r in records if (r.payload or {}).get("token_count") is not None]
     texts = [str((r.payload or {}).get("text", "")) for r in records]
     fresh = candidate.embed_raw([candidate.profile.format_passage(t) for t in texts])

@@ -198,9 +198,7 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
     sample = random.Random(0).sample(ids, min(VERIFY_SAMPLE, len(ids)))
     if not sample:
         return 0, 1.0
-    records = target.client.retrieve(
-        target.resolve() or "", ids=sample, with_payload=True, with_vectors=True
-    )
+    records = target.retrieve(sample, ["text", "headings"], with_vectors=True)
     embedded = [
         sync.embedding_text_for(
             str((record.payload or {}).get("text", "")),
