@@ -234,6 +234,23 @@ def test_engine_change_needs_accepted_parity(
     index.ingest(upgraded_engine.url)  # allowed now
 
 
+def test_parity_compares_what_was_embedded_with_the_headings(
+    index: Index, old_model: LocalTEIServer, upgraded_engine: LocalTEIServer
+) -> None:
+    # Vectors made from "breadcrumb + text": re-embedding the text alone would move
+    # every one and fail parity for an engine that changed nothing.
+    sync = IndexSync(
+        index.store, index.embedder(old_model.url), Chunker(64, 8), embed_headings=True
+    )
+    run_sync(sync, [open_source(index.corpus)])
+    report = measure_parity(
+        index.store, index.embedder(old_model.url), index.embedder(upgraded_engine.url), sample=40
+    )
+    assert report.sample > 0
+    assert report.cosine_min == pytest.approx(1.0, abs=1e-6)
+    assert report.passed
+
+
 def test_parity_refuses_another_model_and_accept_refuses_a_failure(
     index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
 ) -> None:

@@ -610,7 +610,7 @@ class IndexSync:
             ):
                 continue
             headings = payload.get("headings") or []
-            vectors[_embedding_text(text, headings, with_headings)] = vector
+            vectors[embedding_text(text, headings, with_headings)] = vector
         return vectors
 
     @contextmanager
@@ -649,7 +649,7 @@ class IndexSync:
 
     def embedding_text_for(self, text: str, headings: Sequence[str]) -> str:
         """The text that is embedded for a chunk (headings prepended when configured)."""
-        return _embedding_text(text, headings, self.embed_headings)
+        return embedding_text(text, headings, self.embed_headings)
 
     def _points(
         self,
@@ -803,10 +803,31 @@ class IndexSync:
             self.store.update_metadata({META_CHUNKING: dict(self.settings)})
 
 
-def _embedding_text(text: str, headings: Sequence[str], with_headings: bool) -> str:
+def embedding_text(text: str, headings: Sequence[str], with_headings: bool) -> str:
+    """The text embedded for a chunk: its heading breadcrumb first when ``with_headings``."""
     if with_headings and headings:
         return " > ".join(headings) + "\n\n" + text
     return text
+
+
+def headings_by_key(recorded: Mapping[str, Any] | None) -> dict[str | None, bool]:
+    """Whether the points of each settings key (a point's ``chunking``) were embedded
+    with their headings, as far as the collection's recorded settings tell.
+
+    The keys of the recorded chunker settings with headings on and off, and ``None``
+    for points that record no key (made by the recorded settings). A key missing here
+    was made by other chunk settings: what its vectors were made from is unknown.
+    """
+    if recorded is None:
+        return {None: False}
+    recorded_on = bool(recorded.get("embed_headings", False))
+    known = {
+        chunking_key(index_settings(recorded, True)): True,
+        chunking_key(index_settings(recorded, False)): False,
+        None: recorded_on,
+    }
+    known.setdefault(chunking_key(recorded), recorded_on)
+    return known
 
 
 def index_settings(chunking: Mapping[str, Any], embed_headings: bool) -> dict[str, Any]:

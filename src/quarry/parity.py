@@ -16,11 +16,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from qdrant_client import models
+
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import FingerprintMismatch, Refused
 from quarry.fingerprint import cosine, read_fingerprint
+from quarry.ingest import embedding_text, headings_by_key
 from quarry.rerank import RerankClient
-from quarry.store import META_ACCEPTED_SERVING, META_PARITY, VectorStore
+from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, META_PARITY, VectorStore
 
 QUERY_WORDS = 12
 
@@ -77,10 +80,24 @@ def measure_parity(
         )
     ids = [str(record.id) for record in store.scroll(fields=False)]
     chosen = random.Random(seed).sample(ids, min(sample, len(ids)))
-    records = store.retrieve(chosen, ["text", "token_count"], with_vectors=True)
-    records = [r for r in records if (r.payload or {}).get("token_count") is not None]
-    texts = [str((r.payload or {}).get("text", "")) for r in records]
-    fresh = candidate.embed_raw([candidate.profile.format_passage(t) for t in texts])
+    fields = ["text", "headings", "token_count", "chunking"]
+    # Each stored vector was made from its chunk's text, with the heading breadcrumb
+    # first where the settings that made it said so; a part of a split chunk (no
+    # token_count) or a point of unknown settings has no text to compare with.
+    with_headings = headings_by_key(store.metadata().get(META_CHUNKING))
+    records: list[models.Record] = []
+    embedded: list[str] = []
+    texts: list[str] = []
+    for record in store.retrieve(chosen, fields, with_vectors=True):
+        payload = record.payload or {}
+        headings_on = with_headings.get(payload.get("chunking"))
+        if payload.get("token_count") is None or headings_on is None:
+            continue
+        text = str(payload.get("text", ""))
+        records.append(record)
+        texts.append(text)
+        embedded.append(embedding_text(text, payload.get("headings") or (), headings_on))
+    fresh = candidate.embed_raw([candidate.profile.format_passage(t) for t in embedded])
     cosines = [
         cosine(r.vector, v)  # type: ignore[arg-type]
         for r, v in zip(records, fresh, strict=True)
