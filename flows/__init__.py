@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -66,6 +67,7 @@ def embedded_flow_runs(
     from prefect.settings import temporary_settings
 
     # Settings read afresh: PREFECT_API_URL may have been set since prefect was imported.
+    _say_quarry_errors_once()
     with temporary_settings() as current:
         if current.api.url:
             with _say_when_stopped(interrupted, on_stop, exit_when_stopped):
@@ -184,9 +186,9 @@ def _stop_on_signals(
 def _flush_prefect_logs() -> None:
     """Send the run's last log lines to the Prefect server before an abrupt exit."""
     try:
-        from prefect.logging.handlers import APILogHandler
+        from prefect.logging.handlers import APILogWorker
 
-        APILogHandler.flush()
+        APILogWorker.drain_all(timeout=5)
     except Exception:  # the exit goes ahead: the server already knows the run crashed
         pass
 
@@ -233,7 +235,53 @@ class _NoQuarryTraceback(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], QuarryError):
             record.exc_info = None
             record.exc_text = None
+            record.quarry_error = True  # for _QuarryErrorSaidOnce, on the terminal
         return True
+
+
+# Prefect's last line for a run: "Finished in state Failed('Flow run encountered an
+# exception: FingerprintMismatch: <the whole message>')".
+_FINISHED_WITH = re.compile(r"Finished in state (\w+)\(.*?encountered an exception: (\w+): ", re.S)
+
+
+class _QuarryErrorSaidOnce(logging.Filter):
+    """On the terminal, where the CLI ends with the error: drops Prefect's line that
+    repeats a QuarryError a flow raised, and cuts the message out of the run's final
+    state line. The run's log on the server (its own handler) keeps both whole."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from quarry.errors import QuarryError
+
+        if getattr(record, "quarry_error", False):
+            return False
+        message = record.getMessage()
+        if message.startswith("Finished in state "):
+            found = _FINISHED_WITH.match(message)
+            if found and found[2] in _error_names(QuarryError):
+                record.msg, record.args = f"Finished in state {found[1]}: {found[2]}", ()
+        return True
+
+
+def _error_names(base: type[Exception]) -> set[str]:
+    names, kinds = set(), [base]
+    while kinds:
+        kind = kinds.pop()
+        names.add(kind.__name__)
+        kinds.extend(kind.__subclasses__())
+    return names
+
+
+def _say_quarry_errors_once() -> None:
+    """Install :class:`_QuarryErrorSaidOnce` on Prefect's terminal handlers (idempotent)."""
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    ensure_logging_setup()  # the handlers exist from here on
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, _QuarryErrorSaidOnce) for f in handler.filters
+        ):
+            handler.addFilter(_QuarryErrorSaidOnce())
 
 
 def quiet_quarry_tracebacks() -> None:

@@ -150,6 +150,41 @@ def test_a_flow_that_fails_on_purpose_logs_its_error_without_a_traceback(
         ingest_flow(sources=[str(tmp_path / "absent")], collection="quiet")
 
 
+def test_the_terminal_gets_a_quarry_error_once_the_run_log_keeps_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import logging
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows import _flush_prefect_logs, embedded_flow_runs
+    from flows.ingest import ingest_flow
+    from quarry.errors import SourceError
+
+    terminal = io.StringIO()
+    console = PrefectConsoleHandler(stream=terminal)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [console])
+    monkeypatch.setenv("QUARRY_EMBED_URL", "http://127.0.0.1:9")
+    missing = tmp_path / "missing-source-folder"
+    with embedded_flow_runs(), pytest.raises(SourceError):  # as the CLI runs its flows
+        ingest_flow(sources=[str(missing)], collection="said-once")
+    said = terminal.getvalue()
+    assert "Finished in state Failed: SourceNotFound" in said
+    assert "missing-source-folder" not in said  # the CLI's own last line says it
+
+    _flush_prefect_logs()  # as the CLI does before it exits
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+        logs = client.read_logs(LogFilter(flow_run_id={"any_": [run.id]}))
+    kept = [log.message for log in logs if "missing-source-folder" in log.message]
+    assert any(m.startswith("Encountered exception") for m in kept)
+    assert any(m.startswith("Finished in state Failed(") for m in kept)
+
+
 def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
