@@ -36,7 +36,7 @@ from quarry.ingest import (
     run_sync,
 )
 from quarry.services import open_services
-from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_same_named_sources
+from quarry.sources import DEFAULT_EXCLUDE, SourceSpec, open_source, refuse_overlapping_sources
 from quarry.store import writer_lock_path
 
 
@@ -177,7 +177,7 @@ def source_specs(
     if exclude:
         globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
     specs = [open_source(path, **globs, missing_file_ok=missing_file_ok) for path in paths]
-    refuse_same_named_sources(specs)
+    refuse_overlapping_sources(specs)
     return specs
 
 

@@ -953,6 +953,20 @@ def test_a_touched_file_is_read_once_then_trusted_again(
     assert (again.documents_embedded, again.files_unread, loads.uris) == (0, 4, [])
 
 
+def test_an_unchanged_file_now_over_the_size_limit_is_reported_and_kept(
+    harness: Harness,
+) -> None:
+    _settle(harness.root)
+    harness.run()
+    before = harness.points()
+    biggest = max(path.stat().st_size for path in harness.root.rglob("*") if path.is_file())
+    report = harness.run(max_file_bytes=biggest - 1)  # its stamp would vouch for it
+    assert [failure.uri for failure in report.failures] != []
+    assert all("QUARRY_MAX_FILE_BYTES" in failure.error for failure in report.failures)
+    assert report.documents_deleted == 0
+    assert harness.points().keys() == before.keys()
+
+
 def test_a_reread_of_unchanged_files_writes_nothing(harness: Harness) -> None:
     _settle(harness.root)
     harness.run()

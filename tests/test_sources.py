@@ -27,8 +27,10 @@ from quarry.sources import (
     load_document,
     load_path,
     open_source,
+    refuse_overlapping_sources,
     uri_for,
 )
+from tests.conftest import write_corpus
 
 # ---------------------------------------------------------------------------
 # Fixtures
@@ -420,6 +422,58 @@ def test_undecodable_text_is_reported_with_what_was_tried(tmp_path: Path) -> Non
     assert "detect" in failure.error
 
 
+@pytest.mark.parametrize(
+    ("head", "stray", "tail"),
+    [
+        ("The \u201cquarterly\u201d report\u2019s figures. " * 20, b"10\x9620", "\u2013"),
+        ("Die Gr\u00f6\u00dfe f\u00fcr M\u00fcnchen ist sch\u00f6n. " * 20, b"Stra\xdfe", "\u00df"),
+        ("Le caf\u00e9 \u00e0 c\u00f4t\u00e9 de l\u2019h\u00f4tel. " * 20, b"d\xe9j\xe0", "\u00e9"),
+    ],
+)
+def test_utf8_text_with_a_few_stray_legacy_bytes_stays_utf8(
+    tmp_path: Path, head: str, stray: bytes, tail: str
+) -> None:
+    # One cp1252/latin-1 byte pasted into a UTF-8 file must not turn the whole file into
+    # mojibake (detection picked mac_iceland, cp1250) or fail it ("nothing plausible").
+    (tmp_path / "mixed.txt").write_bytes(head.encode() + stray)
+    [doc] = load_document(tmp_path / "mixed.txt", open_source(tmp_path))
+    assert doc.text.startswith(head)
+    assert tail in doc.text[len(head) :]
+    assert doc.metadata["encoding"] == "utf-8+cp1252"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
+def test_utf16_text_without_a_byte_order_mark_is_not_binary(tmp_path: Path, encoding: str) -> None:
+    text = "Exported by a tool that writes no byte order mark.\n" * 3
+    (tmp_path / "export.txt").write_bytes(text.encode(encoding))
+    [doc] = load_document(tmp_path / "export.txt", open_source(tmp_path))
+    assert doc.text == text
+
+
+def test_nul_bytes_past_the_first_8_kib_are_binary_too(tmp_path: Path) -> None:
+    (tmp_path / "log.txt").write_bytes(b"a" * 9000 + b"\x00\x01\x02 tail")
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure)
+    assert "binary" in failure.error
+
+
+def test_a_folder_swapped_for_a_symlink_out_after_the_walk_is_not_read(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (root / "sub" / "a.md").write_text("# inside\n")
+    (outside / "a.md").write_text("# outside secret\n")
+    spec = open_source(root)
+    listing = list_source(spec)
+    (root / "sub" / "a.md").unlink()
+    (root / "sub").rmdir()
+    (root / "sub").symlink_to(outside)
+    [failure] = list(iter_documents(spec, listing=listing))
+    assert isinstance(failure, LoadFailure)
+    assert "outside" not in getattr(failure, "text", "")
+    assert "symlink" in failure.error
+
+
 def test_binary_file_is_skipped_and_reported(tmp_path: Path) -> None:
     (tmp_path / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200))
     [failure] = list(iter_documents(open_source(tmp_path)))
@@ -646,3 +700,18 @@ def test_a_source_path_whose_name_is_not_utf8_is_refused_by_name(tmp_path: Path)
     str(caught.value).encode("utf-8")
     with pytest.raises(SourceNotFound, match="not valid UTF-8"):
         load_path(os.fsdecode(raw + b"/caf\xe9.md"))
+
+
+def test_a_source_inside_another_is_refused_siblings_and_own_files_are_not(
+    tmp_path: Path,
+) -> None:
+    from quarry.errors import ConfigError
+
+    docs = write_corpus(tmp_path / "proj" / "docs", {"a.md": "a", "sub/b.md": "b"})
+    other = write_corpus(tmp_path / "proj" / "other", {"c.md": "c"})
+    refuse_overlapping_sources([open_source(docs), open_source(other)])
+    refuse_overlapping_sources([open_source(docs), open_source(docs / "a.md")])
+    with pytest.raises(ConfigError, match=r"inside the source .*docs: its files would be"):
+        refuse_overlapping_sources([open_source(docs), open_source(docs / "sub")])
+    with pytest.raises(ConfigError, match=r"b\.md is inside the source .*proj"):
+        refuse_overlapping_sources([open_source(docs / "sub" / "b.md"), open_source(docs.parent)])

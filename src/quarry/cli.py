@@ -209,12 +209,12 @@ def ingest(
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
-        from quarry.sources import open_source, refuse_same_named_sources
+        from quarry.sources import open_source, refuse_overlapping_sources
 
         # A file that is gone is still a source (syncing it removes its documents);
         # a path whose folder is gone too is refused here, as SourceNotFound.
         specs = [open_source(p, missing_file_ok=True) for p in paths]
-        refuse_same_named_sources(specs)
+        refuse_overlapping_sources(specs)
         _preflight(settings)
         if not all(path.exists() for path in paths):
             # A named file that is gone: refuse a typo before Prefect starts.

@@ -376,9 +376,19 @@ class IndexSync:
         self._planned_documents.update(state)
         return state
 
-    def unchanged_file(self, plan: SourcePlan, uri: str, path: str | Path) -> bool:
+    def unchanged_file(
+        self,
+        plan: SourcePlan,
+        uri: str,
+        path: str | Path,
+        *,
+        max_file_bytes: int | None = None,
+    ) -> bool:
         """True when the file at ``uri`` need not be read: its stamp (mtime, size) is the
-        one every one of its indexed documents was loaded with, and they are complete."""
+        one every one of its indexed documents was loaded with, and they are complete.
+
+        Never for a file that loading would report (over ``max_file_bytes``, or one this
+        process may not read any more): a chmod keeps the mtime, a lowered limit the size."""
         if not self.trust_file_stamps:
             return False
         docs = plan.files.get(uri)
@@ -388,6 +398,10 @@ class IndexSync:
             stat = os.stat(path)
         except OSError:
             return False  # loading it reports the problem
+        if max_file_bytes is not None and stat.st_size > max_file_bytes:
+            return False
+        if not os.access(path, os.R_OK):
+            return False
         mtime = file_mtime(stat)
         for doc in docs:
             if len(doc.stamps) != 1 or len(doc.hashes) != 1:
@@ -1178,7 +1192,7 @@ def _pending_documents(
     """Load a source's documents, recording what was seen and failed; yield the changed ones."""
 
     def unchanged(uri: str, path: str) -> bool:
-        return sync.unchanged_file(plan, uri, path)
+        return sync.unchanged_file(plan, uri, path, max_file_bytes=max_file_bytes)
 
     items = iter_documents(
         plan.spec, max_file_bytes=max_file_bytes, unchanged=unchanged, listing=plan.listing

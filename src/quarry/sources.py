@@ -60,7 +60,7 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # Bump when a loader change alters what an unchanged file loads as: file stamps
 # recorded by an older loader then no longer vouch for their files.
-LOADER_VERSION = 1
+LOADER_VERSION = 2  # 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB
 
 # Content types by extension. A fixed table, not the mimetypes module: the
 # content type is indexed metadata, so it must not depend on the machine.
@@ -282,11 +282,12 @@ def file_source(root: Path, relative: str) -> SourceSpec:
     return SourceSpec(root, (_escape_glob(relative),), (), file=relative)
 
 
-def refuse_same_named_sources(specs: Sequence[SourceSpec]) -> None:
-    """Raise ConfigError for two sources with one name in different folders.
+def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
+    """Raise ConfigError for sources that would index one file twice or each other's away.
 
-    A source's name prefixes its uris, so in one collection each one's sync would
-    delete the other's documents.
+    A source's name prefixes its uris: two sources named alike in different folders
+    would delete each other's documents, and a folder inside another source would
+    have its files indexed twice, under both names.
     """
     roots: dict[str, Path] = {}
     for spec in specs:
@@ -297,6 +298,16 @@ def refuse_same_named_sources(specs: Sequence[SourceSpec]) -> None:
                 "is named after its folder, so their documents would replace each other. "
                 "Ingest them into different collections (--collection)."
             )
+    for spec in specs:
+        path = spec.root / spec.file if spec.file else spec.root
+        for outer in specs:
+            if outer.file is None and outer.root != spec.root and path.is_relative_to(outer.root):
+                raise ConfigError(
+                    f"{path} is inside the source {outer.root}: its files would be indexed "
+                    f"twice, under {spec.name}/ and {outer.name}/. Give {outer.root} alone "
+                    "(it takes in the other), or ingest them into different collections "
+                    "(--collection)."
+                )
 
 
 @dataclass(frozen=True)
@@ -544,14 +555,65 @@ def _mostly_ascii_western(data: bytes) -> bool:
     return western >= 0.8 * len(chars)
 
 
-def decode_text(data: bytes, uri: str) -> tuple[str, str]:
-    """Decode file bytes: utf-8, utf-8-sig, then a detected encoding. Returns (text, encoding).
+# UTF-8 text with a few stray bytes of another encoding (a cp1252 dash pasted in) is
+# still UTF-8: real text in a legacy encoding forms almost no valid multi-byte UTF-8
+# sequences (CJK double-byte text: at most about one per two bad bytes).
+_UTF8_VALID_PER_BAD = 3
+_UTF8_BOM = b"\xef\xbb\xbf"
+# What "surrogateescape" decodes an undecodable byte to: U+DC80..U+DCFF.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
-    Raises :class:`UnreadableDocument` for binary data (NUL bytes without a
-    UTF-16/32 byte order mark) or when nothing decodes it, naming what was tried.
+
+def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
+    """``data`` as UTF-8 with its few undecodable bytes read as cp1252 (latin-1 where
+    cp1252 has no character), when valid non-ASCII UTF-8 characters outnumber them
+    ``_UTF8_VALID_PER_BAD`` to one; else None. One pass, whatever the bad bytes."""
+    text = data.removeprefix(_UTF8_BOM).decode("utf-8", "surrogateescape")
+    bad = len(_ESCAPED_BYTE.findall(text))
+    valid = len(text) - len(text.encode("ascii", "ignore")) - bad
+    if not bad or valid < _UTF8_VALID_PER_BAD * bad:
+        return None
+    return _ESCAPED_BYTE.sub(lambda m: _cp1252_byte(ord(m[0]) - 0xDC00), text), "utf-8+cp1252"
+
+
+def _cp1252_byte(byte: int) -> str:
+    try:
+        return bytes((byte,)).decode("cp1252")
+    except UnicodeDecodeError:
+        return chr(byte)
+
+
+def _bomless_utf16(data: bytes) -> tuple[str, str] | None:
+    """``data`` as UTF-16 without a byte order mark, when its NUL bytes are where the
+    high bytes of mostly-ASCII UTF-16 text fall (every other byte); else None."""
+    if len(data) < 4 or len(data) % 2:
+        return None
+    sample = data[: _BINARY_SNIFF_BYTES * 2]
+    for encoding, zeros, other in (("utf-16-le", 1, 0), ("utf-16-be", 0, 1)):
+        if sample[zeros::2].count(0) < 0.9 * (len(sample) // 2) or 0 in sample[other::2]:
+            continue
+        try:
+            text = data.decode(encoding)
+        except UnicodeDecodeError:
+            continue
+        if "\x00" not in text:
+            return text, encoding
+    return None
+
+
+def decode_text(data: bytes, uri: str) -> tuple[str, str]:
+    """Decode file bytes: utf-8, utf-8-sig, utf-8 with a few stray cp1252 bytes, then a
+    detected encoding. Returns (text, encoding).
+
+    Raises :class:`UnreadableDocument` for binary data (NUL bytes anywhere, unless a
+    UTF-16/32 byte order mark or their places say UTF-16) or when nothing decodes it,
+    naming what was tried.
     """
     wide_bom = data.startswith(_BOMS_WIDE)
-    if not wide_bom and b"\x00" in data[:_BINARY_SNIFF_BYTES]:
+    if not wide_bom and b"\x00" in data:
+        wide = _bomless_utf16(data)
+        if wide is not None:
+            return wide
         raise _fail(uri, "binary file (NUL bytes), skipped")
     if not wide_bom:
         for encoding in ("utf-8", "utf-8-sig"):
@@ -561,6 +623,9 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
                 return data.decode(encoding), encoding
             except UnicodeDecodeError:
                 continue
+        repaired = _mostly_utf8(data)
+        if repaired is not None:
+            return repaired
     from charset_normalizer import from_bytes
 
     results = from_bytes(data)
@@ -718,6 +783,7 @@ def _load_file(
     name: Path | None = None,
     max_file_bytes: int,
     no_follow: bool = False,
+    root: Path | None = None,
 ) -> list[Document]:
     """Load a file whose place in the source is settled; ``no_follow`` refuses a symlink.
 
@@ -733,6 +799,10 @@ def _load_file(
     loaded_at = datetime.now(UTC).isoformat()
     try:
         with open(os.open(path, flags), "rb") as handle:
+            if root is not None and not _opened_inside(handle.fileno(), path, root):
+                # O_NOFOLLOW guards the last component only: a folder on the path swapped
+                # for a symlink since the walk would lead out of the root.
+                raise _fail(uri, "a folder on its path became a symlink out of the source root")
             stat = os.fstat(handle.fileno())
             if S_ISDIR(stat.st_mode):
                 raise _fail(uri, "is a directory")
@@ -784,6 +854,15 @@ def _load_file(
     title = title or path.stem
     metadata = {"uri": uri, "title": title, "content_type": content_type, **extra}
     return [Document.create(uri, text, title, metadata=metadata, volatile=volatile)]
+
+
+def _opened_inside(fd: int, path: Path, root: Path) -> bool:
+    """Whether the file open as ``fd`` is inside ``root`` (one readlink on Linux)."""
+    try:
+        real = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        real = Path(os.path.realpath(path))
+    return _inside(real, root)
 
 
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
@@ -877,6 +956,7 @@ def iter_documents(
                 name=found.path,
                 max_file_bytes=max_file_bytes,
                 no_follow=True,
+                root=spec.root,
             )
         except UnreadableDocument as exc:
             yield LoadFailure(exc.uri, _message(exc))
