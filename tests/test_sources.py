@@ -521,9 +521,10 @@ def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
     (root / "leakdir").symlink_to(outside, target_is_directory=True)
     (root / "inside.md").symlink_to(root / "real.md")
     spec = open_source(root)
-    assert [p.name for p in discover(spec)] == ["inside.md", "real.md"]
+    # The link inside leads to a file indexed anyway: once, under its own name.
+    assert [p.name for p in discover(spec)] == ["real.md"]
     docs, failures = documents(spec)
-    assert sorted(d.uri for d in docs) == ["root/inside.md", "root/real.md"]
+    assert sorted(d.uri for d in docs) == ["root/real.md"]
     assert sorted(f.uri for f in failures) == ["root/leak.md", "root/leakdir"]
     assert all("outside the source root" in f.error for f in failures)
     assert not any("Do not index" in d.text for d in docs)
@@ -561,6 +562,21 @@ def test_a_file_symlink_loop_is_reported_and_the_rest_loaded(tmp_path: Path) -> 
     assert [d.uri for d in docs] == [f"{name}/a.md"]
     assert sorted(f.uri for f in failures) == [f"{name}/{n}" for n in ("b.md", "c.md", "self.md")]
     assert all("symlink loop" in f.error for f in failures)
+
+
+def test_a_link_to_an_excluded_file_is_excluded_one_to_an_unpicked_file_is_followed(
+    tmp_path: Path,
+) -> None:
+    root = write_corpus(
+        tmp_path / "root",
+        {"private/secret.md": "# Secret", "notes/plan.txt.bak": "The plan.", "a.md": "# A"},
+    )
+    (root / "readme.md").symlink_to(root / "private" / "secret.md")
+    (root / "plan.md").symlink_to(root / "notes" / "plan.txt.bak")
+    spec = open_source(root, exclude=(*DEFAULT_EXCLUDE, "private/**"))
+    docs, failures = documents(spec)
+    assert sorted(d.uri for d in docs) == ["root/a.md", "root/plan.md"]
+    assert failures == []
 
 
 def test_fifos_are_reported_not_read_even_through_a_symlink(tmp_path: Path) -> None:

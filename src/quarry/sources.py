@@ -424,6 +424,11 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         if spec.includes(rel):
                             found.append(_Found(rel, where, _NOT_REGULAR))
                         continue
+                    # A link to an excluded file leaves it out; one to a file the globs
+                    # pick anyway would index it twice: it is indexed under its own name.
+                    real_rel = target.relative_to(root).as_posix()
+                    if spec.file is None and (spec.excludes(real_rel) or spec.includes(real_rel)):
+                        continue
                     opens = str(target)
                 elif entry.is_dir(follow_symlinks=False):
                     if not descend or not _may_hold(spec, rel + "/"):
