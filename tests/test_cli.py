@@ -715,3 +715,53 @@ def test_sigterm_to_a_run_that_cleans_up_exits_143(tmp_path: Path) -> None:
     )
     assert "cleaned up" in result.stderr, result.stderr
     assert result.returncode == 143, result.stderr
+
+
+def test_json_error_naming_a_non_utf8_path_is_valid_utf8_json(tmp_path: Path) -> None:
+    # A name from `find` with a byte that is not UTF-8, under a locale whose stdout is
+    # strict (en_US.UTF-8 is; C.UTF-8 escapes): still one parseable JSON document.
+    name = os.fsdecode(bytes(tmp_path / "no") + b"\xff.md")
+    result = subprocess.run(
+        [*QUARRY, "chunk", name, "--json"],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    error = json.loads(result.stdout)["error"]
+    assert error["type"] == "usage" and "\ufffd" in error["message"]
+
+
+def test_ctrl_c_outside_a_flow_is_interrupted_in_json(tmp_path: Path) -> None:
+    slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=5000)
+    with LocalTEIServer(slow) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUARRY_")}
+        env.update({"QUARRY_EMBED_URL": server.url, "QUARRY_DATA_DIR": str(tmp_path / "d")})
+        process = subprocess.Popen(
+            [*QUARRY, "eval", str(Path(__file__).parent / "data" / "beir_tiny"), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        deadline = time.monotonic() + 120
+        # Past startup: waiting on the slow service's answer to an embedding request.
+        while not any(method == "POST" for method, _ in server.stats.requests):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert json.loads(out)["error"] == {
+        "type": "interrupted",
+        "message": "interrupted",
+        "exit_code": 130,
+    }
+    assert "interrupted" in err
+
+
+def test_json_equals_value_still_gets_a_json_usage_error() -> None:
+    result = run(["status", "--json=1"], {})
+    assert result.returncode == 2
+    assert json.loads(result.stdout)["error"]["type"] == "usage"

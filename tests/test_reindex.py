@@ -257,6 +257,10 @@ def test_parity_refuses_another_model_and_accept_refuses_a_failure(
     index.ingest(old_model.url)
     with pytest.raises(FingerprintMismatch):
         measure_parity(index.store, index.embedder(old_model.url), index.embedder(new_model.url))
+    # The live service serving another model is refused too, naming it: not a "parity
+    # not reached" (exit 1) on an overlap@10 measured against the wrong model.
+    with pytest.raises(FingerprintMismatch, match="live embedding service"):
+        measure_parity(index.store, index.embedder(new_model.url), index.embedder(old_model.url))
     report = measure_parity(
         index.store, index.embedder(old_model.url), index.embedder(old_model.url), sample=10
     )

@@ -9,6 +9,7 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager
@@ -49,6 +50,8 @@ CollectionOption = Annotated[
 # Set by main() when the command line asks for --json: a failure is then a JSON object
 # on stdout too, so a script that parses stdout learns why the run failed.
 _json_errors = False
+# Set once a stopped ingest or reindex has said so (on stderr, and on stdout with --json).
+_stop_reported = False
 _ERROR_KINDS = {
     EXIT_FAILED: "failed",
     EXIT_USAGE: "usage",
@@ -58,13 +61,31 @@ _ERROR_KINDS = {
 }
 
 
+def _utf8_text(text: str) -> str:
+    """``text`` as valid UTF-8: a path or argument the OS gave as bytes that are not
+    UTF-8 (held as surrogate escapes) has each such byte as U+FFFD, as failures do."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        data = text.encode("utf-8", "replace")
+    return data.decode("utf-8", "replace")
+
+
 def _echo_json_error(message: str, code: int) -> None:
+    message = _utf8_text(message)
     error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
     typer.echo(_json_text({"error": error}))
 
 
 def _json_when_stopped(code: int, message: str) -> None:
     """An ingest or reindex stopped by a signal: with --json, say so on stdout too."""
+    global _stop_reported
+    _stop_reported = True
     if _json_errors:
         _echo_json_error(message, code)
 
@@ -93,6 +114,11 @@ def _errors_to_exit_codes() -> Iterator[None]:
         _fail(f"invalid setting: {describe_invalid(error)}", EXIT_USAGE)
     except ValueError as error:
         _fail(f"invalid setting: {error}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        # typer turns an uncaught KeyboardInterrupt into a silent exit 130: say so.
+        if _stop_reported:  # an ingest or reindex already did
+            raise
+        _fail("interrupted", 130)
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -277,6 +303,12 @@ def query(
     """Search the collection and print the best passages with their scores and sources."""
     if not text.strip():
         _fail("the query is empty: give a question (quarry query TEXT)", EXIT_USAGE)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Bytes the locale could not decode (a non-UTF-8 locale, or invalid UTF-8):
+        # take them as UTF-8, each invalid byte as U+FFFD.
+        text = os.fsencode(text).decode("utf-8", "replace")
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from quarry.search import Searcher
@@ -790,7 +822,7 @@ def main() -> None:
     global _json_errors
     arguments = sys.argv[1:]
     options = arguments[: arguments.index("--")] if "--" in arguments else arguments
-    _json_errors = "--json" in options
+    _json_errors = any(a == "--json" or a.startswith("--json=") for a in options)
     try:
         if _json_errors:
             sys.exit(_run_for_json())

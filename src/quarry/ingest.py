@@ -132,7 +132,7 @@ class IngestReport:
             self.documents_failed += 1
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape documented in DESIGN.md (fields may be added, never renamed)."""
+        """The ``--json`` shape in docs/json.md (fields may be added, never renamed)."""
         data = asdict(self)
         data["failures"] = [asdict(failure) for failure in self.failures]
         return data

@@ -71,6 +71,14 @@ def measure_parity(
 ) -> ParityReport:
     """Measure how closely ``candidate`` reproduces the index and the live service."""
     stored = store.fingerprint()
+    if stored is not None:
+        live_print = read_fingerprint(live)
+        if stored.model_key != live_print.model_key:
+            raise FingerprintMismatch(
+                f"the live embedding service serves {live_print.model.describe()}, not the "
+                f"index's {stored.model.describe()}: parity is measured against the stack "
+                "that serves the index; point QUARRY_EMBED_URL back at it"
+            )
     candidate_print = read_fingerprint(candidate)
     if stored is not None and stored.model_key != candidate_print.model_key:
         raise FingerprintMismatch(
