@@ -378,9 +378,18 @@ def flow_child(corpus_dir: Path, url: str, out: Path) -> None:
                 "report": {k: v for k, v in report.items() if k not in ("failures", "notes")},
                 "failures": len(report["failures"]),
             }
+    # What every run of the flow pays to open local-mode Qdrant: it loads the whole
+    # collection into memory (a Qdrant server keeps it loaded).
+    from quarry.config import get_settings
+    from quarry.store import open_client
+
+    started = time.perf_counter()
+    open_client(get_settings(collection=COLLECTION)).close()
+    load_s = time.perf_counter() - started
     result = best_again(phases)  # keeps the phases only: carry the Prefect timings over
     result["startup_seconds"] = phases["startup_seconds"]
     result["noop_run_seconds"] = phases["noop_run_seconds"]
+    result["local_mode_load_seconds"] = load_s
     result["ok"] = result["first"]["failures"] == 0
     result["chunks"] = result["first"]["report"]["chunks_embedded"]
     out.write_text(json.dumps(result))
@@ -694,6 +703,7 @@ def summarise(
                     "again_rounds_inputs": run.get("again_rounds_inputs"),
                     "startup_seconds": run.get("startup_seconds"),
                     "noop_run_seconds": run.get("noop_run_seconds"),
+                    "local_mode_load_seconds": run.get("local_mode_load_seconds"),
                     "detail": {"first": first, "again": again},
                 }
             )
@@ -776,10 +786,16 @@ def _targets(pipelines: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": entry["again_requests"] == 0,
             }
         )
+        value = f"{entry['again_speedup']:.1f}x"
+        if entry.get("noop_run_seconds"):
+            # Any flow run costs Prefect this much: the most a flow's re-ingest can gain.
+            fixed = entry["noop_run_seconds"] + (entry.get("local_mode_load_seconds") or 0)
+            bound = entry["first_seconds"] / fixed
+            value += f" (a run that only opened Qdrant and did nothing else: {bound:.1f}x)"
         targets.append(
             {
                 "target": f"re-ingest ({name}): >= 20x faster than the first ingest",
-                "value": f"{entry['again_speedup']:.1f}x",
+                "value": value,
                 "met": entry["again_speedup"] >= 20,
             }
         )
@@ -859,6 +875,11 @@ def print_report(result: dict[str, Any]) -> None:
             )
         if e.get("noop_run_seconds"):
             print(f"  {name}: a no-op flow run once Prefect is up: {e['noop_run_seconds']:.2f}s")
+        if e.get("local_mode_load_seconds"):
+            print(
+                f"  {name}: opening local-mode Qdrant, which loads the whole collection "
+                f"({e['chunks']:,} points), as each run does: {e['local_mode_load_seconds']:.2f}s"
+            )
     print()
     for t in result["targets"]:
         print(f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']}")
