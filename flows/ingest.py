@@ -268,6 +268,12 @@ def _artifact_key(collection: str) -> str:
     return f"ingest-{collection.lower().replace('_', '-')}"
 
 
+def _cell(text: str) -> str:
+    """``text`` for a Markdown table cell: GFM splits cells at every ``|``, inside a code
+    span too, unless it is escaped."""
+    return text.replace("|", "\\|")
+
+
 def _sources_line(sources: list[str]) -> str:
     return f"Sources: {', '.join(f'`{Path(s)}`' for s in sources)}"
 
@@ -307,7 +313,7 @@ def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) 
     if report.failures:
         lines += ["", "## Failures", "", "| document | error |", "|---|---|"]
         lines += [
-            f"| `{failure.uri}` | {failure.error.replace('|', '/')} |"
+            f"| `{_cell(failure.uri)}` | {failure.error.replace('|', '/')} |"
             for failure in report.failures
         ]
     create_markdown_artifact(

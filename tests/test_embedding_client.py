@@ -424,3 +424,21 @@ def test_no_retry_waits_past_the_budget_even_when_the_server_asks() -> None:
     with pytest.raises(TransientFailure):
         retrying(busy)
     assert attempts == [1] and sleeps == []
+
+
+@pytest.mark.parametrize("dialect", ["openai", "tei"])
+def test_a_request_on_a_closed_client_is_abandoned_not_retried_as_cannot_connect(
+    dialect: str,
+) -> None:
+    # A stopping run closes its clients under requests still in flight: their retries
+    # must not spend the retry budget warning "cannot connect" about a healthy service.
+    from concurrent.futures import CancelledError
+
+    retried: list[BaseException | None] = []
+    policy = RetryPolicy(budget=5.0, initial=0.0, maximum=0.0, jitter=0.0, on_retry=retried.append)
+    client = _client(FakeTEI(), retry=policy, dialect=dialect)
+    assert client.batch_size > 0  # /info read, as before any passage is embedded
+    client.close()
+    with pytest.raises(CancelledError):
+        client.embed_raw(["passage"])
+    assert retried == []

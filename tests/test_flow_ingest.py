@@ -300,3 +300,19 @@ def test_only_an_ingest_takes_a_file_that_is_gone_as_a_source(tmp_path: Path) ->
     assert source_specs([gone], None, None, missing_file_ok=True)[0].file is not None
     with pytest.raises(SourceNotFound, match="no such file"):
         source_specs([gone], None, None)
+
+
+def test_the_artifact_table_escapes_a_pipe_in_a_file_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flows.ingest import _publish_artifact
+    from quarry.ingest import Failure, IngestReport
+
+    published: list[str] = []
+    monkeypatch.setattr(
+        "flows.ingest.create_markdown_artifact",
+        lambda markdown, **kwargs: published.append(markdown),
+    )
+    report = IngestReport(collection="kb", failures=[Failure("c/bro|ken.pdf", "broken PDF")])
+    _publish_artifact(report, ["c"], 1.0)
+    [row] = [line for line in published[0].splitlines() if "ken.pdf" in line]
+    # GitHub-flavoured Markdown splits a cell at every unescaped |, in a code span too.
+    assert row == "| `c/bro\\|ken.pdf` | broken PDF |"

@@ -14,6 +14,7 @@ import random
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -295,7 +296,13 @@ def send(
     documents: Sequence[str] = (),
     dialect_hint: str | None = None,
 ) -> httpx2.Response:
-    """One HTTP exchange, with transport errors and 5xx/429 classified as transient."""
+    """One HTTP exchange, with transport errors and 5xx/429 classified as transient.
+
+    A client closed under the request (a stopping run closes its clients) raises
+    CancelledError: the service is fine, and nobody waits for the answer.
+    """
+    if client.is_closed:
+        raise CancelledError(f"{url}: abandoned, the client is closed")
     try:
         response = client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
@@ -303,6 +310,8 @@ def send(
             url, f"timed out: {error}", status=None, retry_after=None, timed_out=answer_late(error)
         ) from error
     except httpx2.TransportError as error:
+        if client.is_closed:
+            raise CancelledError(f"{url}: abandoned, the client is closed") from error
         raise TransientFailure(
             url, f"cannot connect: {error}", status=None, retry_after=None
         ) from error

@@ -613,6 +613,8 @@ class EmbeddingClient:
         url = f"{self.base_url}/v1/embeddings"
 
         def attempt() -> list[list[float]]:
+            if self._openai.is_closed():
+                raise CancelledError(f"{url}: abandoned, the client is closed")
             try:
                 # The SDK's own embeddings.create first walks every input string through
                 # its type-directed transform: ~1.5 ms of CPU per 32-input request, a
@@ -631,6 +633,11 @@ class EmbeddingClient:
                     timed_out=answer_late(error.__cause__),
                 ) from error
             except openai.APIConnectionError as error:
+                if self._openai.is_closed():
+                    # Abandoned by a stopping run (stop(), then close()): the service is
+                    # fine, nobody reads the answer, and a retry would only hold the
+                    # process for the retry budget saying "cannot connect".
+                    raise CancelledError(f"{url}: abandoned, the client is closed") from error
                 raise TransientFailure(
                     url, f"cannot connect: {error}", status=None, retry_after=None
                 ) from error

@@ -798,7 +798,8 @@ class IndexSync:
                 f"syncing {spec.root} would delete {deleting} of the {existing} {unit} "
                 f"indexed from source {spec.name!r} ({fraction:.0%} > "
                 f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
-                "mounted and the glob right? Rerun with --allow-mass-delete if this is intended."
+                "mounted and the glob right? Rerun with --allow-mass-delete (a deployment: "
+                "-p allow_mass_delete=true) if this is intended."
             )
 
     def finish(self, report: IngestReport) -> None:

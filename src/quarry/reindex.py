@@ -495,7 +495,8 @@ def _refuse_identical(
     raise Refused(
         f"{store.alias!r} is served by {previous}, built by {live.model.describe()} served "
         "as it is now, with the same chunk settings: a reindex would only copy it. Pass "
-        "--force to rebuild it all the same, or --from-source PATH to re-read the files"
+        "--force to rebuild it all the same, or --from-source PATH to re-read the files "
+        "(a deployment: -p force=true, -p 'from_source=[\"PATH\"]')"
     )
 
 
@@ -526,7 +527,8 @@ def _refuse_lost(
         f"serves; {rule}: "
         f"{shown}{', ...' if len(over) > 5 else ''}. Give --from-source every source "
         "(repeat the option), with the --include/--exclude globs they were ingested with, "
-        "or rerun with --allow-mass-delete if this is intended. The alias was not switched."
+        "or rerun with --allow-mass-delete (a deployment: -p allow_mass_delete=true) if this "
+        "is intended. The alias was not switched."
     )
 
 
