@@ -8,6 +8,7 @@ decides what runs where: each batch of documents is a Prefect task, at most
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -265,7 +266,13 @@ def ingest_flow(
 
 
 def _artifact_key(collection: str) -> str:
-    return f"ingest-{collection.lower().replace('_', '-')}"
+    """``ingest-<collection>``; Prefect's keys are lowercase letters, digits and dashes,
+    so a name that is not gets a short hash of itself (``My_Docs`` and ``my-docs``
+    would share a key otherwise)."""
+    key = collection.lower().replace("_", "-")
+    if key != collection:
+        key += "-" + hashlib.sha256(collection.encode("utf-8")).hexdigest()[:6]
+    return f"ingest-{key}"
 
 
 def _cell(text: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -316,3 +317,12 @@ def test_the_artifact_table_escapes_a_pipe_in_a_file_name(monkeypatch: pytest.Mo
     [row] = [line for line in published[0].splitlines() if "ken.pdf" in line]
     # GitHub-flavoured Markdown splits a cell at every unescaped |, in a code span too.
     assert row == "| `c/bro\\|ken.pdf` | broken PDF |"
+
+
+def test_collections_whose_names_differ_only_in_case_or_underscores_keep_apart_artifacts() -> None:
+    from flows.ingest import _artifact_key
+
+    keys = {_artifact_key(name) for name in ("my-docs", "My_Docs", "my_docs", "MY-DOCS")}
+    assert len(keys) == 4
+    assert _artifact_key("my-docs") == "ingest-my-docs"
+    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
