@@ -301,13 +301,25 @@ def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
     for spec in specs:
         path = spec.root / spec.file if spec.file else spec.root
         for outer in specs:
-            if outer.file is None and outer.root != spec.root and path.is_relative_to(outer.root):
+            if outer.file is None and outer.root != spec.root and _takes_in(outer, path, spec):
                 raise ConfigError(
                     f"{path} is inside the source {outer.root}: its files would be indexed "
                     f"twice, under {spec.name}/ and {outer.name}/. Give {outer.root} alone "
                     "(it takes in the other), or ingest them into different collections "
                     "(--collection)."
                 )
+
+
+def _takes_in(outer: SourceSpec, path: Path, inner: SourceSpec) -> bool:
+    """Whether a walk of the folder source ``outer`` reaches ``path``, the file or folder
+    of the source ``inner``: inside its root, not excluded, and picked by its globs."""
+    if not path.is_relative_to(outer.root):
+        return False
+    rel = path.relative_to(outer.root).as_posix()
+    descend = any("/" in g or "**" in g for g in outer.include)
+    if inner.file is not None:
+        return (descend or "/" not in rel) and outer.includes(rel)
+    return descend and _may_hold(outer, rel + "/")
 
 
 @dataclass(frozen=True)
@@ -370,9 +382,11 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
     descend = any("/" in g or "**" in g for g in spec.include)
     found: list[_Found] = []
     visited: set[Path] = {root}
-    stack: list[tuple[Path, str]] = [(root, "")]
+    # Each folder with its path as found and, when reached through a folder symlink,
+    # its real one: an exclude names real folders, and a link must not lead around it.
+    stack: list[tuple[Path, str, str]] = [(root, "", "")]
     while stack:
-        folder, prefix = stack.pop()
+        folder, prefix, real_prefix = stack.pop()
         try:
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
         except OSError as exc:
@@ -415,10 +429,16 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                     if target.is_dir():
                         # A folder walked already (an ancestor: a loop; or a sibling):
                         # its files are indexed once, under the way it was first reached.
-                        if not descend or target in visited or not _may_hold(spec, rel + "/"):
+                        real_dir = target.relative_to(root).as_posix() + "/"
+                        if (
+                            not descend
+                            or target in visited
+                            or not _may_hold(spec, rel + "/")
+                            or (spec.file is None and real_dir != "./" and spec.excludes(real_dir))
+                        ):
                             continue
                         visited.add(target)
-                        stack.append((path, rel + "/"))
+                        stack.append((path, rel + "/", real_dir))
                         continue
                     if not target.is_file():
                         if spec.includes(rel):
@@ -431,14 +451,17 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         continue
                     opens = str(target)
                 elif entry.is_dir(follow_symlinks=False):
+                    real_dir = real_prefix + entry.name + "/"
                     if not descend or not _may_hold(spec, rel + "/"):
+                        continue
+                    if spec.file is None and real_dir != rel + "/" and spec.excludes(real_dir):
                         continue
                     path = Path(where)
                     real = path.resolve()
                     if real in visited:
                         continue
                     visited.add(real)
-                    stack.append((path, rel + "/"))
+                    stack.append((path, rel + "/", real_dir))
                     continue
                 elif not entry.is_file(follow_symlinks=False):
                     # A FIFO would block the read forever; sockets and devices are not text.
@@ -446,6 +469,12 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                         found.append(_Found(rel, where, _NOT_REGULAR))
                     continue
                 else:
+                    if (
+                        real_prefix != prefix
+                        and spec.file is None
+                        and spec.excludes(real_prefix + entry.name)
+                    ):
+                        continue
                     opens = where
             except OSError as exc:
                 found.append(_Found(rel, where, f"cannot read: {exc.strerror or exc}"))
@@ -573,11 +602,15 @@ def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
     """``data`` as UTF-8 with its few undecodable bytes read as cp1252 (latin-1 where
     cp1252 has no character), when valid non-ASCII UTF-8 characters outnumber them
     ``_UTF8_VALID_PER_BAD`` to one; else None. One pass, whatever the bad bytes."""
-    text = data.removeprefix(_UTF8_BOM).decode("utf-8", "surrogateescape")
-    bad = len(_ESCAPED_BYTE.findall(text))
-    valid = len(text) - len(text.encode("ascii", "ignore")) - bad
+    data = data.removeprefix(_UTF8_BOM)
+    # Counted on what "ignore" keeps (C speed, no object per bad byte): a legacy file
+    # of 20 MB is millions of bad bytes, and a list of them took over a gigabyte.
+    kept = data.decode("utf-8", "ignore")
+    bad = len(data) - len(kept.encode("utf-8"))
+    valid = len(kept) - len(kept.encode("ascii", "ignore"))
     if not bad or valid < _UTF8_VALID_PER_BAD * bad:
         return None
+    text = data.decode("utf-8", "surrogateescape")
     return _ESCAPED_BYTE.sub(lambda m: _cp1252_byte(ord(m[0]) - 0xDC00), text), "utf-8+cp1252"
 
 
