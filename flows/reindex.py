@@ -30,6 +30,7 @@ def reindex_flow(
     from_source: list[str] | None = None,
     eval_dataset: str | None = None,
     min_ndcg: float | None = None,
+    eval_split: str = "test",
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     allow_mass_delete: bool = False,
@@ -42,6 +43,7 @@ def reindex_flow(
         from_source: Re-read and re-chunk these paths instead of re-embedding stored chunks.
         eval_dataset: A BEIR-layout folder; evaluate the live model on it before switching.
         min_ndcg: With ``eval_dataset``: refuse to switch when nDCG@10 is below this.
+        eval_split: With ``eval_dataset``: which ``qrels/<split>.tsv`` judges the queries.
         include: With ``from_source``: globs of files to index, as at ingest.
         exclude: With ``from_source``: globs of files to skip, besides the default ones.
         allow_mass_delete: Switch even when the new collection lacks more than
@@ -76,7 +78,11 @@ def reindex_flow(
             assert eval_dataset is not None
             # On these services: local-mode Qdrant admits one client per process.
             result = run_evaluation(
-                eval_dataset, settings=settings, rerank=False, services=services
+                eval_dataset,
+                settings=settings,
+                split=eval_split,
+                rerank=False,
+                services=services,
             )
             ndcg = float(result["ndcg@10"])
             logger.info("evaluation on %s: nDCG@10 %.4f", eval_dataset, ndcg)

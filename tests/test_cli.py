@@ -370,6 +370,32 @@ def test_reindex_checks_its_eval_dataset_before_building_anything(tmp_path: Path
     assert "corpus.jsonl: missing from the BEIR dataset" in error["message"]
 
 
+@pytest.mark.parametrize("threshold", ["nan", "1.5", "-0.1"])
+def test_reindex_refuses_a_min_ndcg_outside_0_to_1_before_building(
+    tmp_path: Path, threshold: str
+) -> None:
+    # nan passed every gate (nothing compares below it); 1.5 refused every build, but
+    # only after the whole collection had been re-embedded.
+    result = run(
+        ["reindex", "--eval", str(tmp_path), "--min-ndcg", threshold, "--json"],
+        {"QUARRY_DATA_DIR": str(tmp_path / "d")},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--min-ndcg must be between 0 and 1" in json.loads(result.stdout)["error"]["message"]
+
+
+def test_reindex_checks_the_eval_split_it_is_given(tmp_path: Path) -> None:
+    beir = Path(__file__).parent / "data" / "beir_tiny"
+    result = run(
+        ["reindex", "--eval", str(beir), "--eval-split", "nosuch", "--json"],
+        {"QUARRY_DATA_DIR": str(tmp_path / "d")},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "(splits here: dev, test)" in json.loads(result.stdout)["error"]["message"]
+
+
 def test_an_unreachable_qdrant_server_is_one_line_naming_the_setting(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:

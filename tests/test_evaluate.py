@@ -234,6 +234,21 @@ def test_qrels_forms_byte_order_mark_trec_columns_and_regrading(tmp_path: Path) 
     assert dataset.qrels == {"q1": {"d1": 1}, "q2": {"d2": 1}}
 
 
+def test_qrels_trailing_tabs_and_padded_ids_are_read(tmp_path: Path) -> None:
+    # A spreadsheet export's trailing tab is no TREC column; padding is not part of an id.
+    qrels = "query-id\tcorpus-id\tscore\nq1\td1\t1\t\nq2 \t d2\t 1\n"
+    queries = "".join(f'{{"_id": "q{n}", "text": "query {n}"}}\n' for n in (1, 2))
+    dataset = load_beir(_dataset(tmp_path / "ds", queries=queries, qrels=qrels))
+    assert dataset.qrels == {"q1": {"d1": 1}, "q2": {"d2": 1}}
+
+
+def test_a_fractional_grade_is_refused_not_truncated(tmp_path: Path) -> None:
+    # int(0.5) is 0: the judgement (and here the query) would vanish without a word.
+    qrels = "query-id\tcorpus-id\tscore\nq1\td1\t2.0\nq1\td2\t0.5\n"
+    with pytest.raises(UnreadableDocument, match=r"test\.tsv:3: score '0\.5' is not an integer"):
+        load_beir(_dataset(tmp_path / "ds", qrels=qrels))
+
+
 def test_relevant_documents_missing_from_the_corpus_are_counted(tmp_path: Path) -> None:
     # A header after a blank line is still a header.
     qrels = "\nquery-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td9\t1\n"

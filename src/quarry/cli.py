@@ -531,6 +531,9 @@ def reindex(
     min_ndcg: Annotated[
         float | None, typer.Option(help="Refuse to switch below this nDCG@10.")
     ] = None,
+    eval_split: Annotated[
+        str, typer.Option("--eval-split", help="With --eval: which qrels/<split>.tsv to score.")
+    ] = "test",
     include: Annotated[
         list[str] | None,
         typer.Option("--include", help="With --from-source: glob of files to index (repeatable)."),
@@ -561,13 +564,17 @@ def reindex(
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
     if min_ndcg is not None and eval_dir is None:
         _fail("--min-ndcg needs --eval DATASET", EXIT_USAGE)
+    if min_ndcg is not None and not 0.0 <= min_ndcg <= 1.0:  # NaN fails this too
+        # nan would pass every gate (nothing compares below it), above 1 refuse every
+        # build: either only after the whole collection was re-embedded.
+        _fail(f"--min-ndcg must be between 0 and 1, not {min_ndcg}", EXIT_USAGE)
     if (include or exclude) and not from_source:
         _fail("--include and --exclude need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
         if eval_dir is not None:
             from quarry.evaluate import load_beir
 
-            load_beir(eval_dir)  # a bad dataset is refused before hours of re-embedding
+            load_beir(eval_dir, eval_split)  # a bad dataset is refused before hours of re-embedding
         _preflight(settings)
     from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
@@ -591,6 +598,7 @@ def reindex(
             from_source=[str(p) for p in from_source] if from_source else None,
             eval_dataset=str(eval_dir) if eval_dir else None,
             min_ndcg=min_ndcg,
+            eval_split=eval_split,
             include=include,
             exclude=exclude,
             allow_mass_delete=allow_mass_delete,

@@ -322,8 +322,9 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
     """
     qrels: dict[str, dict[str, int]] = {}
     for position, (number, line) in enumerate(_text_lines(path)):
-        text = line.rstrip("\r\n")
-        fields = text.split("\t") if "\t" in text else text.split()
+        # strip(): a trailing tab (spreadsheet exports) is no fifth column; ids keep no padding.
+        text = line.strip()
+        fields = [part.strip() for part in text.split("\t")] if "\t" in text else text.split()
         if len(fields) not in (3, 4):
             raise UnreadableDocument(
                 f"{path}:{number}",
@@ -341,6 +342,9 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
             ) from None
         if not math.isfinite(value):
             raise UnreadableDocument(f"{path}:{number}", f"score {score!r} is not a finite number")
+        if value != int(value):
+            # int() would make 0.5 a 0 and drop the judgement without a word.
+            raise UnreadableDocument(f"{path}:{number}", f"score {score!r} is not an integer grade")
         judged = qrels.setdefault(query_id, {})
         if int(value) > 0:
             judged[doc_id] = int(value)
