@@ -760,25 +760,39 @@ def test_json_error_naming_a_non_utf8_path_is_valid_utf8_json(tmp_path: Path) ->
 
 
 def test_ctrl_c_outside_a_flow_is_interrupted_in_json(tmp_path: Path) -> None:
+    from quarry._http import NO_WAIT
+    from quarry.chunking import Chunker
+    from quarry.embeddings import EmbeddingClient
+    from quarry.ingest import IndexSync, run_sync
+    from quarry.sources import open_source
+    from quarry.store import VectorStore, open_client
+
+    corpus = write_corpus(tmp_path / "c", {"a.md": "# A\n\nSome text to find."})
+    settings = Settings(data_dir=tmp_path / "d", collection="quarry")
+    config = LocalTEIConfig(backend="hash", dims=16)
+    with LocalTEIServer(config) as fast, EmbeddingClient(fast.url, retry=NO_WAIT) as embedder:
+        store = VectorStore(open_client(settings), "quarry")
+        run_sync(IndexSync(store, embedder, Chunker(64, 8)), [open_source(corpus)])
+        store.close()
+    # The same model, answering slowly: the query waits on its embedding when stopped.
     slow = LocalTEIConfig(backend="hash", dims=16, latency_ms=5000)
     with LocalTEIServer(slow) as server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("QUARRY_")}
         env.update({"QUARRY_EMBED_URL": server.url, "QUARRY_DATA_DIR": str(tmp_path / "d")})
         process = subprocess.Popen(
-            [*QUARRY, "eval", str(Path(__file__).parent / "data" / "beir_tiny"), "--json"],
+            [*QUARRY, "query", "some text", "--no-rerank", "--json"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
         deadline = time.monotonic() + 120
-        # Past startup: waiting on the slow service's answer to an embedding request.
         while not any(method == "POST" for method, _ in server.stats.requests):
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
-    assert process.returncode == 130
+    assert process.returncode == 130, err
     assert json.loads(out)["error"] == {
         "type": "interrupted",
         "message": "interrupted",
