@@ -779,8 +779,14 @@ def test_ctrl_c_outside_a_flow_is_interrupted_in_json(tmp_path: Path) -> None:
     with LocalTEIServer(slow) as server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("QUARRY_")}
         env.update({"QUARRY_EMBED_URL": server.url, "QUARRY_DATA_DIR": str(tmp_path / "d")})
+        # As from a terminal: a non-interactive shell's background job (some CI) starts
+        # with SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+        as_terminal = (
+            "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+            " sys.argv = ['quarry', *sys.argv[1:]]; runpy.run_module('quarry', run_name='__main__')"
+        )
         process = subprocess.Popen(
-            [*QUARRY, "query", "some text", "--no-rerank", "--json"],
+            [sys.executable, "-c", as_terminal, "query", "some text", "--no-rerank", "--json"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
