@@ -9,7 +9,6 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager
@@ -303,12 +302,9 @@ def query(
     """Search the collection and print the best passages with their scores and sources."""
     if not text.strip():
         _fail("the query is empty: give a question (quarry query TEXT)", EXIT_USAGE)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        # Bytes the locale could not decode (a non-UTF-8 locale, or invalid UTF-8):
-        # take them as UTF-8, each invalid byte as U+FFFD.
-        text = os.fsencode(text).decode("utf-8", "replace")
+    # Bytes the locale could not decode (a non-UTF-8 locale, or invalid UTF-8): taken
+    # as UTF-8, each invalid byte as U+FFFD.
+    text = _utf8_text(text)
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from quarry.search import Searcher

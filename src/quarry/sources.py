@@ -226,6 +226,12 @@ class SourceSpec:
         object.__setattr__(self, "_exclude_re", _any_glob(self.exclude))
 
     @property
+    def descends(self) -> bool:
+        """Whether a walk goes into subfolders: a glob without "/" or "**" only
+        matches files directly under the root."""
+        return any("/" in g or "**" in g for g in self.include)
+
+    @property
     def uri_prefix(self) -> str:
         """What every uri of this source starts with: ``"<name>/"``."""
         return f"{self.name}/"
@@ -316,10 +322,9 @@ def _takes_in(outer: SourceSpec, path: Path, inner: SourceSpec) -> bool:
     if not path.is_relative_to(outer.root):
         return False
     rel = path.relative_to(outer.root).as_posix()
-    descend = any("/" in g or "**" in g for g in outer.include)
     if inner.file is not None:
-        return (descend or "/" not in rel) and outer.includes(rel)
-    return descend and _may_hold(outer, rel + "/")
+        return (outer.descends or "/" not in rel) and outer.includes(rel)
+    return outer.descends and _may_hold(outer, rel + "/")
 
 
 @dataclass(frozen=True)
@@ -378,8 +383,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
     (a symlink to one is resolved to it here).
     """
     root = spec.root
-    # Patterns without "/" or "**" only match files directly under the root.
-    descend = any("/" in g or "**" in g for g in spec.include)
+    descend = spec.descends
     found: list[_Found] = []
     visited: set[Path] = {root}
     # Each folder with its path as found and, when reached through a folder symlink,
@@ -434,7 +438,7 @@ def _walk(spec: SourceSpec) -> Iterator[_Found]:
                             not descend
                             or target in visited
                             or not _may_hold(spec, rel + "/")
-                            or (spec.file is None and real_dir != "./" and spec.excludes(real_dir))
+                            or (spec.file is None and spec.excludes(real_dir))
                         ):
                             continue
                         visited.add(target)
@@ -601,10 +605,10 @@ _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 def _mostly_utf8(data: bytes) -> tuple[str, str] | None:
     """``data`` as UTF-8 with its few undecodable bytes read as cp1252 (latin-1 where
     cp1252 has no character), when valid non-ASCII UTF-8 characters outnumber them
-    ``_UTF8_VALID_PER_BAD`` to one; else None. One pass, whatever the bad bytes."""
+    ``_UTF8_VALID_PER_BAD`` to one; else None. Linear in the file, whatever the bad
+    bytes: they are counted from what an "ignore" decode keeps."""
     data = data.removeprefix(_UTF8_BOM)
-    # Counted on what "ignore" keeps (C speed, no object per bad byte): a legacy file
-    # of 20 MB is millions of bad bytes, and a list of them took over a gigabyte.
+    # No object per bad byte: a legacy file of 20 MB is millions of them.
     kept = data.decode("utf-8", "ignore")
     bad = len(data) - len(kept.encode("utf-8"))
     valid = len(kept) - len(kept.encode("ascii", "ignore"))
