@@ -73,6 +73,7 @@ from typing import Literal, cast
 
 import tiktoken
 
+from quarry._markdown import atx_title
 from quarry._pieces import PieceCounts, pretokenize
 from quarry.documents import Chunk, Document
 from quarry.errors import ConfigError
@@ -233,7 +234,6 @@ _SCAN = re.compile(r"\n(?:(?P<blank>[ \t]*)(?=\n[ \t]*\S)|" + _LINE_KINDS + ")",
 _LINE = re.compile(_LINE_KINDS, re.M | re.X)
 # A line that can start a unit: spaces/tabs, then a non-space character.
 _STARTABLE = re.compile(r"[ \t]*\S")
-_ATX_TITLE = re.compile(r"[ ]{0,3}\#{1,6}[ \t]+(.*?)(?:[ \t]+\#+)?[ \t]*$")
 
 # Cut candidates inside a unit. Each is a token-additive place (see the module
 # docstring) but one: a cut right after a fullwidth terminator (。！？ and kin, as
@@ -439,8 +439,7 @@ class _StructureScanner:
         if kind == "atx":
             if not self.headings_on or self.markup == "rst":
                 return end
-            title_match = _ATX_TITLE.match(text, line_start, end)
-            title = title_match.group(1).strip() if title_match else ""
+            title = atx_title(text[m.end("atx") : end])
             level = len(m.group("atx").strip())
             out.append(_Event(line_start, HEADING, (level, title)))
             if _startable(text, end + 1):

@@ -35,6 +35,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 from typing import Any
 
+from quarry._markdown import atx_title
 from quarry.documents import Document, FileStamp
 from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 
@@ -699,7 +700,8 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
         ) from None
 
 
-_MD_ATX = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)(?:[ \t]+#+)?[ \t]*$")
+# The opening of an ATX heading; quarry._markdown.atx_title reads the title after it.
+_MD_ATX = re.compile(r" {0,3}(#{1,6})[ \t](?=.)")
 _UNDERLINE = re.compile(r"^([=\-`:'\"~^_*+#<>.])\1{2,}[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 # A list item's line is never a setext title (CommonMark: "- a" then "---" is a rule).
@@ -756,7 +758,7 @@ def _markup_title(text: str, rst: bool) -> str:
                 continue
             m = _MD_ATX.match(line)
             if m:
-                level, title = len(m.group(1)), m.group(2).strip()
+                level, title = len(m.group(1)), atx_title(line[m.end() :])
                 if level == 1:
                     return title
                 if best is None or level < best[0]:
