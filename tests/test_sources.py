@@ -766,3 +766,44 @@ def test_a_large_legacy_file_is_not_counted_byte_by_byte_in_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 8 * len(data)  # a str per bad byte was ~70 bytes each
+
+
+@pytest.mark.timeout(60)
+def test_deeply_nested_articles_are_judged_once_each() -> None:
+    # Walking up from every candidate was quadratic: 4,000 nested <article>s took 5 s,
+    # 16,000 would take over a minute. The outermost article is the main text.
+    depth = 16_000
+    html = (
+        "<html><head><title>Deep</title></head><body><nav>menu</nav>"
+        + "<article>x" * depth
+        + "</article>" * depth
+        + "<aside>"
+        + "<main>hidden</main>" * depth
+        + "</aside></body></html>"
+    )
+    title, text = html_to_text(html)
+    assert title == "Deep"
+    assert text.count("x") == depth
+    assert "menu" not in text and "hidden" not in text
+
+
+def test_a_pdf_whose_pages_decompress_past_a_hundred_times_its_size_is_refused(
+    tmp_path: Path,
+) -> None:
+    # 40 pages share one Flate stream of 0.5 MB of text operators: an 8 KB file that
+    # pypdf would spend about 20 s extracting 5 million characters from.
+    writer = PdfWriter()
+    ops = "BT /F1 12 Tf 72 720 Td " + "(bomb text bomb text) Tj T* " * 18_000 + "ET"
+    stream = DecodedStreamObject()
+    stream.set_data(ops.encode("latin-1"))
+    shared = writer._add_object(stream.flate_encode())
+    for _ in range(40):
+        page = writer.add_blank_page(612, 792)
+        page[NameObject("/Contents")] = shared
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    assert len(buffer.getvalue()) < 20_000
+    (tmp_path / "bomb.pdf").write_bytes(buffer.getvalue())
+    with pytest.raises(UnreadableDocument, match="decompression bomb") as refused:
+        load_document(tmp_path / "bomb.pdf", open_source(tmp_path))
+    assert "bomb.pdf" in str(refused.value)
