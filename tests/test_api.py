@@ -396,6 +396,37 @@ def test_a_metadata_value_of_no_allowed_kind_is_one_error_naming_the_kinds(
         assert answered.status_code == 200, (value, answered.text)
 
 
+def test_a_body_of_thousands_of_bad_keys_gets_one_short_answer(app: TestClient) -> None:
+    # Each bad key was one error in the answer: 60,000 made 5-9 MB of JSON.
+    unknown = {f"field{i}": 1 for i in range(5000)}
+    error = assert_error(query(app, {"query": "x", **unknown}), 422, "invalid_request")
+    assert error["message"].startswith("body: 5000 unknown fields, such as 'field0'")
+    assert len(error["details"]) == 1
+    many = {f"key{i}": "x" for i in range(5000)}
+    response = query(app, {"query": "x", "filter": {"metadata": many}})
+    error = assert_error(response, 422, "invalid_request")
+    assert error["message"] == "filter.metadata: at most 32 metadata conditions, not 5000"
+    bad_values = {f"key{i}": None for i in range(30)}
+    response = query(app, {"query": "x", "top_k": 0, "filter": {"metadata": bad_values}})
+    details = assert_error(response, 422, "invalid_request")["details"]
+    assert len(details) == 21
+    assert details[-1] == {"loc": [], "msg": "11 more errors not listed", "type": "too_many_errors"}
+    # A few unknown fields are still named one by one.
+    error = assert_error(query(app, {"query": "x", "colour": 1, "size": 2}), 422, "invalid_request")
+    assert [d["loc"] for d in error["details"]] == [["body", "colour"], ["body", "size"]]
+
+
+def test_local_mode_takes_at_most_a_hundred_doc_ids(app: TestClient) -> None:
+    # Local-mode Qdrant tests every point against every id, on the thread all queries share.
+    ids = [f"doc-{i}" for i in range(101)]
+    response = query(app, {"query": "gamma", "filter": {"doc_ids": ids}})
+    error = assert_error(response, 422, "invalid_request")
+    assert "at most 100 ids with local-mode Qdrant, not 101" in error["message"]
+    assert "QUARRY_QDRANT_URL" in error["message"]
+    answered = query(app, {"query": "gamma", "filter": {"doc_ids": ids[:100]}})
+    assert answered.status_code == 200, answered.text
+
+
 def test_a_json_body_sent_as_a_form_is_told_to_say_json(app: TestClient) -> None:
     # curl -d '{"query": "x"}' sends application/x-www-form-urlencoded.
     form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}

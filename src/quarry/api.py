@@ -56,6 +56,7 @@ from pydantic import (
     StringConstraints,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 from qdrant_client import models
@@ -182,7 +183,30 @@ MetadataValue = Annotated[
 DocId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
-class QueryFilter(BaseModel):
+_MAX_UNKNOWN_FIELDS = 8
+LOCAL_MODE_MAX_DOC_IDS = 100
+MAX_METADATA_CONDITIONS = 32
+
+
+class _ClosedBody(BaseModel):
+    """A request object with a fixed set of fields (``extra="forbid"``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: object) -> object:
+        # Pydantic reports each unknown field on its own, after validating the rest:
+        # 60,000 of them made a 5 MB answer and held the event loop for most of a second.
+        if isinstance(data, dict) and len(data) > len(cls.model_fields) + _MAX_UNKNOWN_FIELDS:
+            unknown = [key for key in data if key not in cls.model_fields]
+            raise PydanticCustomError(
+                "extra_forbidden",
+                "{count} unknown fields, such as {sample}",
+                {"count": len(unknown), "sample": ", ".join(map(repr, unknown[:5]))},
+            )
+        return data
+
+
+class QueryFilter(_ClosedBody):
     """Restrict the candidates; every given condition must hold."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -200,9 +224,21 @@ class QueryFilter(BaseModel):
     )
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
         None,
-        max_length=32,
+        max_length=MAX_METADATA_CONDITIONS,
         description="Exact matches on document metadata (string, integer or boolean values).",
     )
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _few_conditions(cls, value: object) -> object:
+        # Counted before each key and value is validated (and reported on its own).
+        if isinstance(value, dict) and len(value) > MAX_METADATA_CONDITIONS:
+            raise PydanticCustomError(
+                "too_long",
+                "at most {limit} metadata conditions, not {count}",
+                {"limit": MAX_METADATA_CONDITIONS, "count": len(value)},
+            )
+        return value
 
 
 _QUERY_EXAMPLE: dict[str, Any] = {
@@ -212,7 +248,7 @@ _QUERY_EXAMPLE: dict[str, Any] = {
 }
 
 
-class QueryRequest(BaseModel):
+class QueryRequest(_ClosedBody):
     """A question and how to answer it."""
 
     model_config = ConfigDict(
@@ -500,16 +536,29 @@ async def _on_api_error(request: Request, exc: Exception) -> Response:
     )
 
 
+_MAX_ERROR_DETAILS = 20
+
+
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
     details = [
         {
             "loc": [str(part) for part in error.get("loc", ())],
             "msg": str(error.get("msg", "")),
             "type": str(error.get("type", "")),
         }
-        for error in exc.errors()
+        for error in errors[:_MAX_ERROR_DETAILS]
     ]
+    if len(errors) > _MAX_ERROR_DETAILS:
+        # One body with thousands of bad keys must not get an answer many times its size.
+        details.append(
+            {
+                "loc": [],
+                "msg": f"{len(errors) - _MAX_ERROR_DETAILS} more errors not listed",
+                "type": "too_many_errors",
+            }
+        )
     first = details[0] if details else {"loc": [], "msg": "invalid request"}
     where = ".".join(part for part in first["loc"] if part != "body") or "body"
     message = f"{where}: {first['msg']}"
@@ -1041,6 +1090,17 @@ class QueryService:
 
     async def _answer(self, body: QueryRequest) -> tuple[QueryResponse, dict[str, str]]:
         started = time.perf_counter()
+        ids = body.filter.doc_ids if body.filter else None
+        if ids and not self.settings.qdrant_url and len(ids) > LOCAL_MODE_MAX_DOC_IDS:
+            # Local mode tests every point against every id, in Python, on the one
+            # thread all queries share: 1,000 ids over 20,000 points held it for 3.4 s.
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"filter.doc_ids: at most {LOCAL_MODE_MAX_DOC_IDS} ids with local-mode "
+                f"Qdrant, not {len(ids)} (it compares each id with every point); a Qdrant "
+                "server (QUARRY_QDRANT_URL) takes up to 1000",
+            )
         query_text, truncated = self._fit_query(body.query, body.truncate)
         timings: dict[str, float] = {}
         for attempt in range(2):
