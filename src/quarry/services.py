@@ -47,7 +47,9 @@ def start_local_tei_if_needed(settings: Settings, *, quiet: bool = False) -> Ite
         return
     from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 
-    server = LocalTEIServer(LocalTEIConfig())
+    # The model loads on the first request that needs it: a sync with nothing to
+    # embed, or a status, never starts torch.
+    server = LocalTEIServer(LocalTEIConfig(preload=False))
     if not quiet:
         print(
             "quarry: QUARRY_EMBED_URL is not set; starting the local TEI-compatible service "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -72,3 +73,35 @@ def test_rerank_stand_in_ranks_by_meaning(minilm_server: LocalTEIServer) -> None
         ranks = http.post("/rerank", json={"query": "Where do cats nap?", "texts": texts}).json()
     assert ranks[0]["index"] == 1
     assert all(0.0 <= r["score"] <= 1.0 for r in ranks)
+
+
+def test_the_embedded_default_loads_the_model_only_when_a_request_needs_it() -> None:
+    # A sync with nothing to embed, or a status, asks /info and no more: it must not
+    # pay for torch and the weights (8 of the 21 s of a no-op `quarry ingest docs/`).
+    import subprocess
+    import sys
+
+    script = """
+import json, sys, urllib.request
+from quarry.config import Settings
+from quarry.services import start_local_tei_if_needed
+
+with start_local_tei_if_needed(Settings(), quiet=True) as url:
+    info = json.load(urllib.request.urlopen(url + "/info"))
+    before = "torch" in sys.modules
+    request = urllib.request.Request(
+        url + "/embed", data=json.dumps({"inputs": ["a cat"]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    vectors = json.load(urllib.request.urlopen(request))
+    print(json.dumps([info["model_id"], before, "torch" in sys.modules, len(vectors[0])]))
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("QUARRY_EMBED_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    model_id, loaded_for_info, loaded_for_embed, dims = json.loads(done.stdout)
+    assert model_id == "sentence-transformers/all-MiniLM-L6-v2"
+    assert (loaded_for_info, loaded_for_embed, dims) == (False, True, 384)

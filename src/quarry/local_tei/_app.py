@@ -255,8 +255,8 @@ class _Service:
     # ------------------------------------------------------------------ plumbing
 
     async def startup(self) -> None:
-        """Load the model and compute ``/info`` before the first request."""
-        if self.backend.blocking:
+        """Compute ``/info`` (and load the model, with ``preload``) before the first request."""
+        if self.backend.blocking and self.config.preload:
             await asyncio.to_thread(self.backend.load)
         await self._get_info()
 

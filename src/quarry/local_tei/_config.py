@@ -32,6 +32,10 @@ class LocalTEIConfig:
     TEI 1.9.3's own default is on. On, an input over the limit is cut (``truncate``
     unset on ``/embed`` and ``/rerank``, always on ``/v1/embeddings``) and a
     ``max_batch_tokens`` under ``max_input_length`` lowers the limit to it.
+
+    ``preload`` loads the model before the service answers, as TEI does; without it
+    the first request that needs the model loads it (``/health`` and ``/info`` never
+    do), so a command that embeds nothing does not pay for torch and the weights.
     """
 
     backend: Literal["minilm", "hash"] = "minilm"
@@ -51,6 +55,7 @@ class LocalTEIConfig:
     api_key: str | None = None
     rerank_dialect: Literal["tei", "cohere"] = "tei"
     auto_truncate: bool = False
+    preload: bool = True
 
     def __post_init__(self) -> None:
         problems: list[str] = []
