@@ -143,6 +143,16 @@ def test_chunk_of_a_file_without_text_says_so(tmp_path: Path) -> None:
     assert "no text, so no chunks" in result.stdout
 
 
+def test_chunk_of_an_unreadable_file_names_it_as_given(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "blob.txt").write_bytes(b"text\x00\x01\x02 more")
+    result = run(["chunk", str(tmp_path / "sub" / "blob.txt"), "--json"], {})
+    assert result.returncode == 1, result.stderr
+    error = json.loads(result.stdout)["error"]
+    # Not "sub/blob.txt: ..., skipped": the command failed, on the path it was given.
+    assert error["message"] == f"{tmp_path / 'sub' / 'blob.txt'}: binary file (NUL bytes)"
+
+
 def test_chunk_names_the_page_of_each_pdf_chunk(tmp_path: Path) -> None:
     from tests.test_sources import make_pdf
 

@@ -362,10 +362,16 @@ def chunk(
         _fail(f"{file}: no such file", EXIT_USAGE)
     with _errors_to_exit_codes():
         from quarry.chunking import Chunker
+        from quarry.errors import UnreadableDocument
         from quarry.sources import load_path
 
         chunker = Chunker(settings.chunk_tokens, settings.chunk_overlap)
-        documents = load_path(file, max_file_bytes=settings.max_file_bytes)
+        try:
+            documents = load_path(file, max_file_bytes=settings.max_file_bytes)
+        except UnreadableDocument as error:
+            # Named as given (not by the uri an ingest would use), and nothing is "skipped".
+            reason = error.reason.removesuffix(", skipped")
+            raise UnreadableDocument(str(file), reason) from None
         # A PDF is one document per page: each chunk says which, its offsets are into it.
         chunks = [(d, c) for d in documents for c in chunker.chunk(d)]
     data = {

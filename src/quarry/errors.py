@@ -44,6 +44,7 @@ class SourceError(QuarryError):
 
     def __init__(self, uri: str, message: str) -> None:
         self.uri = uri
+        self.reason = message
         super().__init__(f"{uri}: {message}")
 
 
