@@ -1102,6 +1102,39 @@ def test_a_chunk_split_after_its_headings_keeps_no_vector_of_a_part(tmp_path: Pa
             assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
 
 
+@pytest.mark.parametrize("embed_headings", [False, True])
+def test_an_edit_reuses_the_parts_of_a_chunk_the_model_split(
+    tmp_path: Path, embed_headings: bool
+) -> None:
+    # With the embedded default a quarter of the chunks are too long for MiniLM and are
+    # split: their parts were embedded again on every edit of their document.
+    body = "\n\n".join(
+        f"Paragraph {i}: " + "granite terraces filled with rain water " * 8 for i in range(6)
+    )
+    text = "# Quarry\n\n" + body + "\n"
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=40)) as server:
+        harness = Harness(tmp_path, server.url)
+        harness.root = write_corpus(tmp_path / "split", {"doc.md": text})
+        harness.run(embed_headings=embed_headings)
+        before = _chunk_vectors(harness)
+        parts = [key for key, (p, _) in before.items() if p["token_count"] is None]
+        assert len(parts) >= 6  # several chunks split, each into two or more parts
+        (harness.root / "doc.md").write_text(text + "\n## Later\n\nA new section.\n")
+        edited = harness.run(embed_headings=embed_headings)
+        assert edited.documents_embedded == 1
+        assert edited.chunks_reused >= len(parts)
+        assert edited.chunks_embedded <= 3  # the new section, and the chunk it joined
+        rebuilt = Harness(tmp_path / "rebuilt", server.url)
+        rebuilt.root = harness.root
+        rebuilt.run(embed_headings=embed_headings)
+        kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
+        assert kept.keys() == fresh.keys()
+        for key, (payload, vector) in kept.items():
+            fields = ("text", "token_count", "char_start", "char_end", "split_of", "part_index")
+            assert [payload.get(f) for f in fields] == [fresh[key][0].get(f) for f in fields], key
+            assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+
+
 def test_a_part_written_as_whole_before_is_not_reused(tmp_path: Path) -> None:
     # Points an earlier quarry wrote gave such a last part the chunk's token_count.
     head = "# A fairly long title for a document about granite quarries\n\n"

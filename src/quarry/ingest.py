@@ -63,7 +63,18 @@ from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorS
 UPSERT_BATCH = 256
 # Stored points read per request when a re-written document's vectors are reused.
 REUSE_READ_PAGE = 1024
-_REUSE_FIELDS = ("doc_id", "text", "headings", "token_count", "char_start", "chunking", "model_key")
+_REUSE_FIELDS = (
+    "doc_id",
+    "text",
+    "headings",
+    "token_count",
+    "char_start",
+    "chunking",
+    "model_key",
+    "split_of",
+    "part_index",
+    "part_chars",
+)
 # A batch of documents is the unit of parallel work (one Prefect task): big enough
 # that scheduling is noise, small enough that a failure or a retry costs little.
 BATCH_DOCUMENTS = 64
@@ -501,11 +512,12 @@ class IndexSync:
             return result
         stored = self._stored_vectors(chunked)
         inputs = [[self._embedding_text(chunk) for chunk in chunks] for _, chunks in chunked]
+        kept = [[stored.parts_of(text) for text in embedding_texts] for embedding_texts in inputs]
         texts: list[str] = []
         owners: list[str] = []
-        for (document, _), embedding_texts in zip(chunked, inputs, strict=True):
-            for text in embedding_texts:
-                if text not in stored:
+        for (document, _), embedding_texts, found in zip(chunked, inputs, kept, strict=True):
+            for text, parts in zip(embedding_texts, found, strict=True):
+                if parts is None:
                     texts.append(text)
                     owners.append(document.uri)
         if self._stopping.is_set():
@@ -521,17 +533,16 @@ class IndexSync:
 
         points: list[models.PointStruct] = []
         written: list[tuple[Document, int, int]] = []
-        for (document, chunks), embedding_texts in zip(chunked, inputs, strict=True):
+        for (document, chunks), found in zip(chunked, kept, strict=True):
             outcomes: list[EmbedResult] = []
             tokens = reused = 0
-            for chunk, text in zip(chunks, embedding_texts, strict=True):
-                vector = stored.get(text)
-                if vector is None:
+            for chunk, parts in zip(chunks, found, strict=True):
+                if parts is None:
                     outcomes.append(next(embedded))
                     tokens += chunk.token_count
                 else:
-                    outcomes.append([EmbeddedPart(text, vector)])
-                    reused += 1
+                    outcomes.append(parts)
+                    reused += len(parts)
             failure = next((o for o in outcomes if isinstance(o, EmbedFailure)), None)
             if failure is not None:
                 result.failures.append(Failure(document.uri, str(failure.error)))
@@ -572,16 +583,15 @@ class IndexSync:
                 result.chunks_reused += reused
         return result
 
-    def _stored_vectors(
-        self, chunked: Sequence[tuple[Document, list[Chunk]]]
-    ) -> dict[str, list[float]]:
+    def _stored_vectors(self, chunked: Sequence[tuple[Document, list[Chunk]]]) -> _StoredVectors:
         """The vectors this collection holds for these documents, by the text they embed.
 
         A document written again (edited, or made with other chunk settings) mostly
         repeats chunks it had: same model, same text, same vector, so those are not
-        sent to the service again. Read by point id from what the plan found; only
-        whole chunks made with known settings count (a part of a chunk the model
-        found too long, or a point whose embedded text cannot be told, does not).
+        sent to the service again. Read by point id from what the plan found; whole
+        chunks made with known settings count, and so do the parts of a chunk the
+        model found too long, when every part is there (a point whose embedded text
+        cannot be told, or a part written before parts were marked, does not).
         """
         ids: list[str] = []
         for document, _ in chunked:
@@ -589,7 +599,7 @@ class IndexSync:
             if state is not None:
                 ids.extend(point_id(document.doc_id, index) for index in sorted(state.indexes))
         if not ids:
-            return {}
+            return _StoredVectors()
         assert self.fingerprint is not None, "prepare() must run first"
         records: list[models.Record] = []
         try:
@@ -598,7 +608,7 @@ class IndexSync:
                 records += self.store.retrieve(page, _REUSE_FIELDS, with_vectors=True)
         except Exception as error:  # an optimisation: without it, everything is embedded
             logger.warning("could not read stored vectors to reuse (%s); embedding all", error)
-            return {}
+            return _StoredVectors()
         # The parts of a chunk the service split have no token_count; before that held
         # for every part, the last could look whole (all of the chunk's text, the parts
         # before it only its headings) and holds the vector of a part: it starts where they do.
@@ -607,11 +617,19 @@ class IndexSync:
             for payload in (record.payload or {} for record in records)
             if payload.get("token_count") is None
         }
-        vectors: dict[str, list[float]] = {}
+        found = _StoredVectors()
         for record in records:
             payload = record.payload or {}
             with_headings = self._headings_by_key.get(payload.get("chunking"))
             text, vector = payload.get("text"), record.vector
+            if (
+                with_headings is not None
+                and payload.get("model_key") == self.fingerprint.model_key
+                and isinstance(vector, list)
+                and vector
+                and isinstance(vector[0], float)
+            ):
+                found.add_part(payload, vector)
             if (
                 with_headings is None
                 # Made by this model: a collection without quarry's fingerprint says nothing.
@@ -624,8 +642,8 @@ class IndexSync:
             ):
                 continue
             headings = payload.get("headings") or []
-            vectors[embedding_text(text, headings, with_headings)] = vector
-        return vectors
+            found.whole[embedding_text(text, headings, with_headings)] = vector
+        return found
 
     @contextmanager
     def _write_slot(self) -> Iterator[bool]:
@@ -674,10 +692,18 @@ class IndexSync:
     ) -> list[models.PointStruct]:
         assert self.fingerprint is not None, "prepare() must run first"
         pieces: list[tuple[Chunk, str, int, int, list[float], bool]] = []
+        marks: list[dict[str, Any]] = []  # per piece: what makes a part a part (else nothing)
         for chunk, parts in zip(chunks, outcomes, strict=True):
-            prefix = len(self._embedding_text(chunk)) - len(chunk.text)
+            embedded = self._embedding_text(chunk)
+            prefix = len(embedded) - len(chunk.text)
+            of = split_key(embedded) if len(parts) > 1 else None
             offset = 0
-            for part in parts:
+            for number, part in enumerate(parts):
+                marks.append(
+                    {"split_of": of, "part_index": number, "part_chars": len(part.text)}
+                    if of is not None
+                    else {}
+                )
                 start = max(offset - prefix, 0)
                 end = max(offset + len(part.text) - prefix, 0)
                 offset += len(part.text)
@@ -724,6 +750,7 @@ class IndexSync:
             }
             if chunking is not None:
                 payload["chunking"] = chunking
+            payload.update(marks[index])
             # Built unvalidated: the id is a uuid string and the vector a list of floats by
             # construction, and pydantic checking each float cost 10% of an ingest's CPU.
             points.append(
@@ -816,6 +843,49 @@ class IndexSync:
             )
         ):
             self.store.update_metadata({META_CHUNKING: dict(self.settings)})
+
+
+def split_key(embedded: str) -> str:
+    """What the parts of a chunk the model found too long record of its embedded text.
+
+    A later write of the same text (same model: the same split, the same vectors)
+    takes their vectors instead of sending it again.
+    """
+    return hashlib.sha256(embedded.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+@dataclass
+class _StoredVectors:
+    """Vectors a collection holds for the documents of a batch, by the text they embed."""
+
+    whole: dict[str, list[float]] = field(default_factory=dict)
+    # split_key(embedded text) -> part number -> (the part's characters, its vector)
+    split: dict[str, dict[int, tuple[int, list[float]]]] = field(default_factory=dict)
+
+    def add_part(self, payload: Mapping[str, Any], vector: list[float]) -> None:
+        """Keep a point's vector if it is a marked part of a split chunk."""
+        of, number, chars = (payload.get(k) for k in ("split_of", "part_index", "part_chars"))
+        if isinstance(of, str) and type(number) is int and type(chars) is int and chars >= 0:
+            self.split.setdefault(of, {}).setdefault(number, (chars, vector))
+
+    def parts_of(self, embedded: str) -> list[EmbeddedPart] | None:
+        """The stored vectors of this text: one, or one per part; None if not all are there."""
+        vector = self.whole.get(embedded)
+        if vector is not None:
+            return [EmbeddedPart(embedded, vector)]
+        if not self.split:
+            return None
+        parts = self.split.get(split_key(embedded))
+        if not parts or sorted(parts) != list(range(len(parts))):
+            return None
+        out: list[EmbeddedPart] = []
+        at = 0
+        for number in range(len(parts)):
+            chars, part_vector = parts[number]
+            out.append(EmbeddedPart(embedded[at : at + chars], part_vector))
+            at += chars
+        # Every part, and nothing but them: their lengths add up to the text's.
+        return out if at == len(embedded) and len(out) > 1 else None
 
 
 def embedding_text(text: str, headings: Sequence[str], with_headings: bool) -> str:
