@@ -151,6 +151,11 @@ def test_chunk_of_an_unreadable_file_names_it_as_given(tmp_path: Path) -> None:
     error = json.loads(result.stdout)["error"]
     # Not "sub/blob.txt: ..., skipped": the command failed, on the path it was given.
     assert error["message"] == f"{tmp_path / 'sub' / 'blob.txt'}: binary file (NUL bytes)"
+    (tmp_path / "big.txt").write_text("x" * 200)
+    result = run(["chunk", str(tmp_path / "big.txt"), "--json"], {"QUARRY_MAX_FILE_BYTES": "100"})
+    message = json.loads(result.stdout)["error"]["message"]
+    assert message.startswith(f"{tmp_path / 'big.txt'}: file is 200 bytes, over the 100-byte")
+    assert "skipped" not in message
 
 
 def test_chunk_names_the_page_of_each_pdf_chunk(tmp_path: Path) -> None:

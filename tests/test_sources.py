@@ -807,3 +807,40 @@ def test_a_pdf_whose_pages_decompress_past_a_hundred_times_its_size_is_refused(
     with pytest.raises(UnreadableDocument, match="decompression bomb") as refused:
         load_document(tmp_path / "bomb.pdf", open_source(tmp_path))
     assert "bomb.pdf" in str(refused.value)
+
+
+def test_a_pdf_page_that_draws_one_form_thousands_of_times_is_refused(tmp_path: Path) -> None:
+    # A 1 KB page whose content is "/X0 Do" 2,000 times over a form of 2,000 text lines:
+    # its own content stream is tiny, its text 76 million characters.
+    from pypdf.generic import ArrayObject, NumberObject
+
+    writer = PdfWriter()
+    form = DecodedStreamObject()
+    form.set_data(("BT /F1 12 Tf 72 720 Td " + "(bomb text) Tj T* " * 2000 + "ET").encode())
+    form = form.flate_encode()
+    form[NameObject("/Type")] = NameObject("/XObject")
+    form[NameObject("/Subtype")] = NameObject("/Form")
+    form[NameObject("/BBox")] = ArrayObject([NumberObject(n) for n in (0, 0, 612, 792)])
+    font = DictionaryObject(
+        {
+            NameObject("/Type"): NameObject("/Font"),
+            NameObject("/Subtype"): NameObject("/Type1"),
+            NameObject("/BaseFont"): NameObject("/Helvetica"),
+        }
+    )
+    form[NameObject("/Resources")] = DictionaryObject(
+        {NameObject("/Font"): DictionaryObject({NameObject("/F1"): writer._add_object(font)})}
+    )
+    page = writer.add_blank_page(612, 792)
+    page[NameObject("/Resources")] = DictionaryObject(
+        {NameObject("/XObject"): DictionaryObject({NameObject("/X0"): writer._add_object(form)})}
+    )
+    draws = DecodedStreamObject()
+    draws.set_data(b"/X0 Do\n" * 2000)
+    page[NameObject("/Contents")] = writer._add_object(draws.flate_encode())
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    assert len(buffer.getvalue()) < 4_000
+    (tmp_path / "forms.pdf").write_bytes(buffer.getvalue())
+    with pytest.raises(UnreadableDocument, match=r"text runs past .* decompression bomb"):
+        load_document(tmp_path / "forms.pdf", open_source(tmp_path))

@@ -8,9 +8,11 @@ __all__ = ["atx_title"]
 def atx_title(content: str) -> str:
     """The title of a markdown ATX heading, from what follows its opening ``#`` run.
 
-    CommonMark's rule: surrounding whitespace and a closing run of ``#`` that
-    follows whitespace are not part of the title (``## Setup ##`` is ``Setup``,
-    ``# C#`` is ``C#``). Linear in the line's length: the regex this replaces
+    Surrounding whitespace and a closing run of ``#`` that follows whitespace are
+    not part of the title (``## Setup ##`` is ``Setup``, ``# C#`` is ``C#``), as
+    in CommonMark, except that a title of ``#`` alone stays (``# ##`` is ``##``,
+    an empty heading in CommonMark): the regex this replaces read it so, and a
+    title is in every chunk's breadcrumb. Linear in the line's length: that regex
     backtracked over a long run of spaces, quadratically (a 32 KB line took 14 s).
     """
     title = content.strip(" \t")

@@ -196,8 +196,10 @@ class _ClosedBody(BaseModel):
     def _few_unknown_fields(cls, data: object) -> object:
         # Pydantic reports each unknown field on its own, after validating the rest:
         # 60,000 of them made a 5 MB answer and held the event loop for most of a second.
-        if isinstance(data, dict) and len(data) > len(cls.model_fields) + _MAX_UNKNOWN_FIELDS:
-            unknown = [key for key in data if key not in cls.model_fields]
+        if not isinstance(data, dict):
+            return data
+        unknown = [key for key in data if key not in cls.model_fields]
+        if len(unknown) > _MAX_UNKNOWN_FIELDS:
             raise PydanticCustomError(
                 "extra_forbidden",
                 "{count} unknown fields, such as {sample}",
@@ -1898,7 +1900,9 @@ def _document_request_id(app: FastAPI) -> None:
 
 async def _start_services(settings: Settings, stack: AsyncExitStack) -> QueryService:
     """Build the clients from settings (closing them with ``stack``) and check the index."""
-    embed_url = await asyncio.to_thread(stack.enter_context, start_local_tei_if_needed(settings))
+    # Preloaded: the startup check and the first queries run under deadlines.
+    local = start_local_tei_if_needed(settings, preload=True)
+    embed_url = await asyncio.to_thread(stack.enter_context, local)
     embedder = async_embedding_client(settings, embed_url)
     stack.push_async_callback(embedder.aclose)
     reranker = async_rerank_client(settings, settings.rerank_url or embed_url)

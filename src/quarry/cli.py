@@ -9,6 +9,7 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, closing, contextmanager
@@ -370,7 +371,7 @@ def chunk(
             documents = load_path(file, max_file_bytes=settings.max_file_bytes)
         except UnreadableDocument as error:
             # Named as given (not by the uri an ingest would use), and nothing is "skipped".
-            reason = error.reason.removesuffix(", skipped")
+            reason = re.sub(r"[,;] skipped$", "", error.reason)
             raise UnreadableDocument(str(file), reason) from None
         # A PDF is one document per page: each chunk says which, its offsets are into it.
         chunks = [(d, c) for d in documents for c in chunker.chunk(d)]

@@ -40,16 +40,21 @@ def _secret(value: object) -> str | None:
 
 
 @contextmanager
-def start_local_tei_if_needed(settings: Settings, *, quiet: bool = False) -> Iterator[str]:
-    """Yield the embedding service URL, starting local_tei when none is configured."""
+def start_local_tei_if_needed(
+    settings: Settings, *, quiet: bool = False, preload: bool = False
+) -> Iterator[str]:
+    """Yield the embedding service URL, starting local_tei when none is configured.
+
+    Its model loads on the first request that needs it, so a sync with nothing to
+    embed, or a status, never starts torch; ``preload`` (a server that will answer
+    queries under a deadline) loads it before this returns.
+    """
     if settings.embed_url:
         yield settings.embed_url
         return
     from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 
-    # The model loads on the first request that needs it: a sync with nothing to
-    # embed, or a status, never starts torch.
-    server = LocalTEIServer(LocalTEIConfig(preload=False))
+    server = LocalTEIServer(LocalTEIConfig(preload=preload))
     if not quiet:
         print(
             "quarry: QUARRY_EMBED_URL is not set; starting the local TEI-compatible service "

@@ -910,9 +910,21 @@ def _opened_inside(fd: int, path: Path, root: Path) -> bool:
 
 
 # Page content streams of real PDFs decompress to a few bytes per byte of file (fonts
-# and images make up the rest); a hundred is far past any of them.
+# and images make up the rest), and give fewer characters of text; a hundred of
+# either is far past any of them.
 _PDF_CONTENT_PER_BYTE = 100
 _PDF_CONTENT_FLOOR = 1 << 20
+
+
+class _TooMuchText(Exception):
+    """A PDF's text ran past its budget while it was being extracted."""
+
+
+def _bomb(what: str, size: int) -> str:
+    return (
+        f"PDF {what}, more than {_PDF_CONTENT_PER_BYTE} per byte of its {size}: "
+        "a likely decompression bomb, skipped"
+    )
 
 
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
@@ -937,20 +949,28 @@ def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Docum
             meta_title = ""
         pages = []
         budget = max(_PDF_CONTENT_FLOOR, _PDF_CONTENT_PER_BYTE * len(data))
-        content = 0
+        content = extracted = 0
+
+        def count_text(text: str, *_: Any) -> None:
+            # Inside the extraction: a page can draw one compressed form (XObject)
+            # a hundred thousand times, and its own content stream is then tiny.
+            nonlocal extracted
+            extracted += len(text)
+            if extracted > budget:
+                raise _TooMuchText
+
         for page in reader.pages:
             # Measured before the (slow) text extraction: a small file whose pages
             # share one huge compressed stream would otherwise cost minutes of CPU.
             stream = page.get_contents()
             content += len(stream.get_data()) if stream is not None else 0
             if content > budget:
-                raise _fail(
-                    uri,
-                    f"PDF pages decompress to over {budget} bytes of content, more than "
-                    f"{_PDF_CONTENT_PER_BYTE} per byte of its {len(data)}: skipped as a "
-                    "likely decompression bomb",
-                )
-            pages.append(normalise_text(page.extract_text() or ""))
+                raise _fail(uri, _bomb(f"pages decompress to over {budget} bytes", len(data)))
+            pages.append(normalise_text(page.extract_text(visitor_text=count_text) or ""))
+            if extracted > budget:  # pypdf logs and goes on after an error inside a form
+                raise _TooMuchText
+    except _TooMuchText:
+        raise _fail(uri, _bomb(f"text runs past {budget} characters", len(data))) from None
     except UnreadableDocument:
         raise
     except Exception as exc:
