@@ -1072,6 +1072,21 @@ def test_overlapping_syncs_restore_the_threshold_when_the_last_one_ends() -> Non
         gc.set_threshold(*before)
 
 
+def _assert_points_of_a_rebuild(
+    harness: Harness, folder: Path, url: str, *, embed_headings: bool
+) -> None:
+    """The harness's points are those a sync of its corpus into a new collection writes."""
+    rebuilt = Harness(folder, url)
+    rebuilt.root = harness.root
+    rebuilt.run(embed_headings=embed_headings)
+    kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
+    assert kept.keys() == fresh.keys()
+    fields = ("text", "token_count", "char_start", "char_end", "split_of", "part_index")
+    for key, (payload, vector) in kept.items():
+        assert [payload.get(f) for f in fields] == [fresh[key][0].get(f) for f in fields], key
+        assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+
+
 def test_a_chunk_split_after_its_headings_keeps_no_vector_of_a_part(tmp_path: Path) -> None:
     # With headings embedded, a chunk over the model's limit may be split right after the
     # headings prefix: the last part then holds all of the chunk's text, and its point must
@@ -1089,17 +1104,7 @@ def test_a_chunk_split_after_its_headings_keeps_no_vector_of_a_part(tmp_path: Pa
         (harness.root / "doc.md").write_text(head + body + "\n\n## Later\n\nA new section.\n")
         edited = harness.run(embed_headings=True)
         assert edited.documents_embedded == 1
-        rebuilt = Harness(tmp_path / "rebuilt", server.url)
-        rebuilt.root = harness.root
-        rebuilt.run(embed_headings=True)
-        kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
-        assert kept.keys() == fresh.keys()
-        for key, (payload, vector) in kept.items():
-            assert (payload["text"], payload["token_count"]) == (
-                fresh[key][0]["text"],
-                fresh[key][0]["token_count"],
-            ), key
-            assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+        _assert_points_of_a_rebuild(harness, tmp_path / "rebuilt", server.url, embed_headings=True)
 
 
 @pytest.mark.parametrize("embed_headings", [False, True])
@@ -1124,15 +1129,9 @@ def test_an_edit_reuses_the_parts_of_a_chunk_the_model_split(
         assert edited.documents_embedded == 1
         assert edited.chunks_reused >= len(parts)
         assert edited.chunks_embedded <= 3  # the new section, and the chunk it joined
-        rebuilt = Harness(tmp_path / "rebuilt", server.url)
-        rebuilt.root = harness.root
-        rebuilt.run(embed_headings=embed_headings)
-        kept, fresh = _chunk_vectors(harness), _chunk_vectors(rebuilt)
-        assert kept.keys() == fresh.keys()
-        for key, (payload, vector) in kept.items():
-            fields = ("text", "token_count", "char_start", "char_end", "split_of", "part_index")
-            assert [payload.get(f) for f in fields] == [fresh[key][0].get(f) for f in fields], key
-            assert vector == pytest.approx(fresh[key][1], abs=1e-6), key
+        _assert_points_of_a_rebuild(
+            harness, tmp_path / "rebuilt", server.url, embed_headings=embed_headings
+        )
 
 
 def test_a_part_written_as_whole_before_is_not_reused(tmp_path: Path) -> None:
