@@ -623,22 +623,18 @@ class IndexSync:
             with_headings = self._headings_by_key.get(payload.get("chunking"))
             text, vector = payload.get("text"), record.vector
             if (
-                with_headings is not None
-                and payload.get("model_key") == self.fingerprint.model_key
-                and isinstance(vector, list)
-                and vector
-                and isinstance(vector[0], float)
-            ):
-                found.add_part(payload, vector)
-            if (
                 with_headings is None
                 # Made by this model: a collection without quarry's fingerprint says nothing.
                 or payload.get("model_key") != self.fingerprint.model_key
-                or payload.get("token_count") is None
-                or (payload.get("doc_id"), payload.get("char_start")) in split_at
-                or not isinstance(text, str)
                 or not isinstance(vector, list)
                 or not (vector and isinstance(vector[0], float))  # not a multivector
+            ):
+                continue
+            found.add_part(payload, vector)
+            if (
+                payload.get("token_count") is None
+                or (payload.get("doc_id"), payload.get("char_start")) in split_at
+                or not isinstance(text, str)
             ):
                 continue
             headings = payload.get("headings") or []
