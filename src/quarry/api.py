@@ -189,7 +189,9 @@ MAX_METADATA_CONDITIONS = 32
 
 
 class _ClosedBody(BaseModel):
-    """A request object with a fixed set of fields (``extra="forbid"``)."""
+    """A request object with a fixed set of fields, each of its own type (strict)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -210,8 +212,6 @@ class _ClosedBody(BaseModel):
 
 class QueryFilter(_ClosedBody):
     """Restrict the candidates; every given condition must hold."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     uri_prefix: str | None = Field(
         None,
@@ -253,9 +253,7 @@ _QUERY_EXAMPLE: dict[str, Any] = {
 class QueryRequest(_ClosedBody):
     """A question and how to answer it."""
 
-    model_config = ConfigDict(
-        extra="forbid", strict=True, json_schema_extra={"examples": [_QUERY_EXAMPLE]}
-    )
+    model_config = ConfigDict(json_schema_extra={"examples": [_QUERY_EXAMPLE]})
 
     query: str = Field(
         min_length=1,
@@ -566,7 +564,7 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     message = f"{where}: {first['msg']}"
     if first.get("type") == "json_invalid":  # its loc holds a character offset, not a field
         at = first["loc"][-1] if len(first["loc"]) > 1 else "?"
-        reason = str((exc.errors()[0].get("ctx") or {}).get("error") or "JSON decode error")
+        reason = str((errors[0].get("ctx") or {}).get("error") or "JSON decode error")
         message = f"body: not valid JSON at character {at}: {reason}"
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if where == "body" and media_type != "application/json":

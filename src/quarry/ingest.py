@@ -687,19 +687,14 @@ class IndexSync:
         chunking: str | None,
     ) -> list[models.PointStruct]:
         assert self.fingerprint is not None, "prepare() must run first"
-        pieces: list[tuple[Chunk, str, int, int, list[float], bool]] = []
-        marks: list[dict[str, Any]] = []  # per piece: what makes a part a part (else nothing)
+        # (chunk, text, char_start, char_end, vector, what marks a part as one; {}: whole)
+        pieces: list[tuple[Chunk, str, int, int, list[float], dict[str, Any]]] = []
         for chunk, parts in zip(chunks, outcomes, strict=True):
             embedded = self._embedding_text(chunk)
             prefix = len(embedded) - len(chunk.text)
             of = split_key(embedded) if len(parts) > 1 else None
             offset = 0
             for number, part in enumerate(parts):
-                marks.append(
-                    {"split_of": of, "part_index": number, "part_chars": len(part.text)}
-                    if of is not None
-                    else {}
-                )
                 start = max(offset - prefix, 0)
                 end = max(offset + len(part.text) - prefix, 0)
                 offset += len(part.text)
@@ -713,7 +708,9 @@ class IndexSync:
                         chunk.char_start + start,
                         chunk.char_start + end,
                         part.vector,
-                        len(parts) == 1,
+                        {"split_of": of, "part_index": number, "part_chars": len(part.text)}
+                        if of is not None
+                        else {},
                     )
                 )
         now = datetime.now(UTC).isoformat()
@@ -723,7 +720,7 @@ class IndexSync:
         source = document.uri.split("/", 1)[0]
         prefixes = path_prefixes(document.uri)
         points = []
-        for index, (chunk, text, char_start, char_end, vector, whole) in enumerate(pieces):
+        for index, (chunk, text, char_start, char_end, vector, mark) in enumerate(pieces):
             payload: dict[str, Any] = {
                 "doc_id": document.doc_id,
                 "uri": document.uri,
@@ -737,7 +734,7 @@ class IndexSync:
                 "headings": list(chunk.headings),
                 # A part of a split chunk has none, even one with all of its text (the
                 # headings prefix went to the part before): its vector is not the chunk's.
-                "token_count": chunk.token_count if whole else None,
+                "token_count": None if mark else chunk.token_count,
                 "char_start": char_start,
                 "char_end": char_end,
                 "model_key": model_key,
@@ -746,7 +743,7 @@ class IndexSync:
             }
             if chunking is not None:
                 payload["chunking"] = chunking
-            payload.update(marks[index])
+            payload.update(mark)
             # Built unvalidated: the id is a uuid string and the vector a list of floats by
             # construction, and pydantic checking each float cost 10% of an ingest's CPU.
             points.append(
