@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from local_tei_support import TEISchemas, http_client
 
-from quarry.local_tei import LocalTEIServer
+from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 
 pytestmark = pytest.mark.model
 
@@ -105,3 +105,59 @@ with start_local_tei_if_needed(Settings(), quiet=True) as url:
     model_id, loaded_for_info, loaded_for_embed, dims = json.loads(done.stdout)
     assert model_id == "sentence-transformers/all-MiniLM-L6-v2"
     assert (loaded_for_info, loaded_for_embed, dims) == (False, True, 384)
+
+
+def _forwarded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many sequences each forward pass of the model runs, from now on."""
+    from quarry.local_tei._backends import MiniLMBackend
+
+    sizes: list[int] = []
+    forward = MiniLMBackend._forward
+
+    def counted(self: MiniLMBackend, seqs: list[list[int]]) -> np.ndarray:
+        sizes.append(len(seqs))
+        return forward(self, seqs)
+
+    monkeypatch.setattr(MiniLMBackend, "_forward", counted)
+    return sizes
+
+
+def test_reranking_passages_embedded_before_runs_only_the_query(
+    minilm_server: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stand-in reranker embeds every candidate, and the candidates are passages
+    # the service embedded at ingest: kept vectors spare the forward passes.
+    texts = ["Otters hold hands while they sleep.", "Bees dance to point at flowers.", "Moss."]
+    query = "Which animals sleep holding hands?"
+    sizes = _forwarded(monkeypatch)
+    with (
+        http_client(minilm_server.url) as http,
+        LocalTEIServer(LocalTEIConfig(backend="minilm", embedding_cache=0)) as uncached,
+        http_client(uncached.url) as plain,
+    ):
+        assert http.post("/embed", json={"inputs": texts}).status_code == 200
+        assert sum(sizes) == 3
+        kept = http.post("/rerank", json={"query": query, "texts": texts, "raw_scores": True})
+        assert sum(sizes) == 4  # the query alone
+        computed = plain.post("/rerank", json={"query": query, "texts": texts, "raw_scores": True})
+        assert sum(sizes) == 8  # no cache: the query and every text
+    scores = {r["index"]: r["score"] for r in kept.json()}
+    expected = {r["index"]: r["score"] for r in computed.json()}
+    assert scores.keys() == expected.keys() == {0, 1, 2}
+    for index, score in expected.items():
+        assert scores[index] == pytest.approx(score, abs=1e-5)
+    assert max(scores, key=scores.__getitem__) == 0
+
+
+def test_the_vector_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = _forwarded(monkeypatch)
+    config = LocalTEIConfig(backend="minilm", embedding_cache=2)
+    with LocalTEIServer(config) as server, http_client(server.url) as http:
+        for text in ("first text", "second text", "first text", "third text"):
+            assert http.post("/embed", json={"inputs": [text]}).status_code == 200
+        # "first" was used again after "second", so "second" made room for "third".
+        assert sizes == [1, 1, 1]
+        http.post("/embed", json={"inputs": ["first text", "third text"]})
+        assert sizes == [1, 1, 1]
+        http.post("/embed", json={"inputs": ["second text"]})
+        assert sizes == [1, 1, 1, 1]

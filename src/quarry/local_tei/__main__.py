@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         help="cut over-long inputs instead of refusing them (TEI's own default is true; "
         "quarry's stack runs TEI with false, as this does by default)",
     )
+    p.add_argument(
+        "--embedding-cache",
+        type=int,
+        default=defaults.embedding_cache,
+        help="minilm backend: vectors kept of inputs seen before, so that reranking "
+        "passages it embedded costs no forward pass (about 1.7 KB each; 0: none)",
+    )
     return p
 
 
@@ -71,6 +78,7 @@ def main(
             api_key=args.api_key,
             rerank_dialect=args.rerank_dialect,
             auto_truncate=args.auto_truncate == "true",
+            embedding_cache=args.embedding_cache,
         )
     except ValueError as exc:
         parser.error(str(exc))

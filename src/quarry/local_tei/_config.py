@@ -33,6 +33,10 @@ class LocalTEIConfig:
     unset on ``/embed`` and ``/rerank``, always on ``/v1/embeddings``) and a
     ``max_batch_tokens`` under ``max_input_length`` lowers the limit to it.
 
+    ``embedding_cache`` is how many distinct inputs' vectors the minilm backend keeps
+    (about 1.7 KB each; 0 keeps none): the stand-in reranker's candidates are mostly
+    passages embedded before, and kept they are not run through the model again.
+
     ``preload`` loads the model before the service answers, as TEI does; without it
     the first request that needs the model loads it (``/health`` and ``/info`` never
     do), so a command that embeds nothing does not pay for torch and the weights.
@@ -56,6 +60,7 @@ class LocalTEIConfig:
     rerank_dialect: Literal["tei", "cohere"] = "tei"
     auto_truncate: bool = False
     preload: bool = True
+    embedding_cache: int = 32_768
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -104,6 +109,8 @@ class LocalTEIConfig:
             problems.append(f"fault_rate must be in [0, 1], not {self.fault_rate}")
         if self.payload_limit < 1:
             problems.append(f"payload_limit must be at least 1 byte, not {self.payload_limit}")
+        if self.embedding_cache < 0:
+            problems.append(f"embedding_cache must be at least 0, not {self.embedding_cache}")
         if self.api_key == "":
             problems.append("api_key must be None or a non-empty string")
         if problems:
