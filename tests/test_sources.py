@@ -306,6 +306,55 @@ def test_an_empty_html_heading_or_item_does_not_mark_the_next_block() -> None:
     assert text == "Run the installer.\n\nAn ordinary paragraph.\n"
 
 
+_PYGMENTS_LINENOS_TABLE = (
+    '<div class="highlight"><table class="highlighttable"><tr><td class="linenos">'
+    '<div class="linenodiv"><pre><span class="normal">1</span>\n'
+    '<span class="normal">2</span></pre></div></td><td class="code"><div><pre><span></span>'
+    '<span class="k">def</span><span class="w"> </span><span class="nf">main</span>'
+    '<span class="p">():</span>\n    <span class="k">return</span> <span class="mi">1</span>\n'
+    "</pre></div></td></tr></table></div>"
+)
+
+
+@pytest.mark.parametrize(
+    ("html", "expected"),
+    [
+        # Code keeps its lines, however the page breaks them; line numbers are dropped.
+        ("<pre>make build<br>make test</pre>", "```\nmake build\nmake test\n```\n"),
+        ("<pre><div>SELECT *</div><div>FROM users</div></pre>", "```\nSELECT *\nFROM users\n```\n"),
+        (_PYGMENTS_LINENOS_TABLE, "```\ndef main():\n    return 1\n```\n"),
+        (
+            '<pre><span class="linenos">1</span>x = 1\n<span class="linenos">2</span>y = 2</pre>',
+            "```\nx = 1\ny = 2\n```\n",
+        ),
+        # Inline elements in a table cell are part of its words, blocks separate them.
+        (
+            '<table><tr><td><code>len</code>()</td><td>the <em>len</em>gth of <a href="#">x</a>s'
+            "</td></tr><tr><td><p>a</p><p>b</p></td><td>c</td></tr></table>",
+            "len() | the length of xs\n\na b | c\n",
+        ),
+        # Paragraph text that reads as markdown structure stays text.
+        (
+            "<h2>Growth</h2><p># of users grew.</p><p><code>```</code> opens a fence.</p>"
+            "<p>Title<br>=====</p><ul><li># one</li></ul>",
+            "## Growth\n\n\\# of users grew.\n\n\\``` opens a fence.\n\nTitle\n\\=====\n\n- # one\n",
+        ),
+        ('<p style="color: red; display:none">hidden</p><p>shown</p>', "shown\n"),
+    ],
+)
+def test_html_text_keeps_what_the_page_shows(html: str, expected: str) -> None:
+    _title, text = html_to_text(f"<html><body><main>{html}</main></body></html>")
+    assert text == expected
+
+
+def test_an_inline_svg_title_is_not_the_page_title() -> None:
+    html = (
+        "<html><head></head><body><header><svg><title>Company logo</title></svg></header>"
+        "<main><h1>Real title</h1><p>Text.</p></main></body></html>"
+    )
+    assert html_to_text(html) == ("Real title", "# Real title\n\nText.\n")
+
+
 @pytest.mark.parametrize(
     ("markdown", "title"),
     [

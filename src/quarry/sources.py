@@ -61,7 +61,9 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # Bump when a loader change alters what an unchanged file loads as: file stamps
 # recorded by an older loader then no longer vouch for their files.
-LOADER_VERSION = 2  # 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB
+# 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB. 3: HTML code blocks
+# keep their lines, table cells their words, paragraph text that reads as markup is escaped.
+LOADER_VERSION = 3
 
 # Content types by extension. A fixed table, not the mimetypes module: the
 # content type is indexed metadata, so it must not depend on the machine.
@@ -1126,8 +1128,23 @@ _DROP_TAGS = frozenset(
 )
 _DROP_ROLES = frozenset({"navigation", "search", "banner", "contentinfo", "menu", "menubar"})
 _DROP_CLASSES = frozenset(
-    {"headerlink", "sphinxsidebar", "related", "breadcrumb", "breadcrumbs", "skip-link", "toc"}
+    {
+        "headerlink",
+        "sphinxsidebar",
+        "related",
+        "breadcrumb",
+        "breadcrumbs",
+        "skip-link",
+        "toc",
+        # Line numbers of highlighted code (Pygments, which Sphinx and MkDocs use; Rouge).
+        "linenos",
+        "linenodiv",
+        "rouge-gutter",
+    }
 )
+# Highlighted code with line numbers, laid out as a table of a numbers cell and a code cell.
+_CODE_TABLE_CLASSES = frozenset({"highlighttable", "rouge-table"})
+_HIDDEN_STYLE = re.compile(r"(?:^|;)\s*(?:display\s*:\s*none|visibility\s*:\s*hidden)\b", re.I)
 _BLOCK_TAGS = frozenset(
     {
         "address",
@@ -1166,8 +1183,17 @@ _BLOCK_TAGS = frozenset(
     }
 )
 _HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
+# Inside a table cell these end a word; inline elements (<em>, <a>, <code>) do not.
+_CELL_BREAKING = _BLOCK_TAGS | _HEADINGS.keys() | {"pre"}
 _SPACE_RUN = re.compile(r"\s+")
 _BREAK = "\x00"  # stands for <br> until whitespace is collapsed (HTML text holds no NUL)
+# A line of paragraph text the chunker would read as markdown structure: an ATX heading,
+# a code fence, a setext underline. Escaped, it stays text (a `#` in "# of users").
+_READS_AS_MARKUP = re.compile(r"#{1,6}(?:[ \t]|$)|`{3}|~{3}|(?:=+|-+)[ \t]*$")
+
+
+def _escape_markup(line: str) -> str:
+    return "\\" + line if _READS_AS_MARKUP.match(line) else line
 
 
 class _HtmlText:
@@ -1185,8 +1211,21 @@ class _HtmlText:
         text = text.strip()
         self.inline.clear()
         if text:
+            lines = text.split("\n")
+            # The first line follows a prefix of ours ("# ", "- ") when there is one.
+            first = lines[0] if self.prefix else _escape_markup(lines[0])
+            text = "\n".join([first, *map(_escape_markup, lines[1:])])
             self.blocks.append(self.prefix + text)
             self.prefix = ""
+
+    def code(self, body: str) -> None:
+        """A fenced block of ``body`` (the text of a ``<pre>``), when it holds anything."""
+        self.flush()
+        body = body.strip("\n")
+        if body.strip():
+            longest = max((len(m) for m in re.findall(r"`{3,}", body)), default=2)
+            fence = "`" * max(3, longest + 1)
+            self.blocks.append(f"{fence}\n{body}\n{fence}")
 
     def text(self) -> str:
         self.flush()
@@ -1205,12 +1244,62 @@ def _dropped(node: Any) -> bool:
         return True
     if attrs.get("aria-hidden") == "true" or "hidden" in attrs:
         return True
+    style = attrs.get("style")
+    if style and _HIDDEN_STYLE.search(style):
+        return True
     classes = attrs.get("class")
     return bool(classes) and not _DROP_CLASSES.isdisjoint(classes.split())
 
 
-def _pre_text(node: Any) -> str:
-    return str(node.text(deep=True, separator="", strip=False))
+def _classes(node: Any) -> set[str]:
+    attrs = node.attributes
+    return set((attrs.get("class") or "").split()) if attrs else set()
+
+
+def _pre_text(pre: Any) -> str:
+    """The text of a ``<pre>`` as it shows: ``<br>`` and block elements inside end lines."""
+    parts: list[str] = []
+    stack: list[tuple[Any, bool]] = [(pre, False)]
+    while stack:
+        node, closing = stack.pop()
+        tag = node.tag
+        if closing:
+            if tag in _CELL_BREAKING and parts and not parts[-1].endswith("\n"):
+                parts.append("\n")
+            continue
+        if tag == "-text":
+            parts.append(node.text(deep=False) or "")
+            continue
+        if tag.startswith(("-", "!")) or (node is not pre and _dropped(node)):
+            continue
+        if tag == "br":
+            parts.append("\n")
+            continue
+        if node is not pre and tag in _CELL_BREAKING and parts and not parts[-1].endswith("\n"):
+            parts.append("\n")
+        stack.append((node, True))
+        children = []
+        child = node.child
+        while child is not None:
+            children.append(child)
+            child = child.next
+        stack.extend((child, False) for child in reversed(children))
+    return "".join(parts)
+
+
+def _code_table_text(table: Any) -> str:
+    """The code of a line-numbered code table: its ``<pre>``s outside the numbers cell."""
+    codes = []
+    for pre in table.css("pre"):
+        node, shown = pre, True
+        while node is not None and node.mem_id != table.mem_id:
+            if _dropped(node):
+                shown = False
+                break
+            node = node.parent
+        if shown:
+            codes.append(_pre_text(pre).strip("\n"))
+    return "\n".join(codes)
 
 
 def _render(root: Any, out: _HtmlText) -> None:
@@ -1231,7 +1320,8 @@ def _render(root: Any, out: _HtmlText) -> None:
                 if not cells:
                     out.flush()
             elif cells:
-                out.inline.append(" ")
+                if tag in _CELL_BREAKING:
+                    out.inline.append(" ")
             elif tag in _HEADINGS or tag in _BLOCK_TAGS:
                 out.flush()
                 if tag in _HEADINGS or tag == "li":
@@ -1248,12 +1338,10 @@ def _render(root: Any, out: _HtmlText) -> None:
             out.inline.append(_BREAK)
             continue
         if tag == "pre" and not cells:
-            out.flush()
-            body = _pre_text(node).strip("\n")
-            if body.strip():
-                longest = max((len(m) for m in re.findall(r"`{3,}", body)), default=2)
-                fence = "`" * max(3, longest + 1)
-                out.blocks.append(f"{fence}\n{body}\n{fence}")
+            out.code(_pre_text(node))
+            continue
+        if tag == "table" and not cells and not _CODE_TABLE_CLASSES.isdisjoint(_classes(node)):
+            out.code(_code_table_text(node))
             continue
         if tag in ("td", "th"):
             if rows:
@@ -1266,7 +1354,8 @@ def _render(root: Any, out: _HtmlText) -> None:
                 out.flush()
             rows.append(0)
         elif cells:
-            out.inline.append(" ")
+            if tag in _CELL_BREAKING:
+                out.inline.append(" ")
         elif tag in _HEADINGS:
             out.flush()
             out.prefix = "#" * _HEADINGS[tag] + " "
@@ -1365,6 +1454,17 @@ class _Ancestry:
         return verdict
 
 
+def _page_title(tree: Any) -> Any:
+    """The page's ``<title>``: not one of an inline SVG's (a logo's name) or MathML's."""
+    for node in tree.css("title"):
+        parent = node.parent
+        while parent is not None and parent.tag not in ("svg", "math"):
+            parent = parent.parent
+        if parent is None:
+            return node
+    return None
+
+
 def html_to_text(html: str) -> tuple[str, str]:
     """The title and main text of an HTML page, as markdown-ish text.
 
@@ -1372,14 +1472,16 @@ def html_to_text(html: str) -> tuple[str, str]:
     ``[role=main]`` or single ``<article>`` when it has one, else ``<body>``
     (see :func:`_main_node`). Scripts, styles,
     navigation (``<nav>``, navigation roles, Sphinx sidebars and header
-    links) are dropped. Headings become ``#`` lines, list items ``-`` lines,
-    ``pre`` blocks fenced code.
+    links, hidden elements, line numbers of highlighted code) are dropped.
+    Headings become ``#`` lines, list items ``-`` lines, ``pre`` blocks (and
+    line-numbered code tables) fenced code; paragraph lines that would read as
+    markdown structure (``# ...``, a fence, an underline) are escaped with ``\\``.
     """
     from selectolax.lexbor import LexborHTMLParser
 
     tree = LexborHTMLParser(html)
     title = ""
-    title_node = tree.css_first("title")
+    title_node = _page_title(tree)
     if title_node is not None:
         title = _SPACE_RUN.sub(" ", title_node.text(deep=True) or "").strip()
     main = _main_node(tree)
