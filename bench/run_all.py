@@ -8,7 +8,9 @@ kept in ``bench/.out/<name>.txt``; what it measured, in ``bench/.out/<name>.json
 
 * embed_saturation and ingest_throughput get tables, targets and plots;
 * retrieval quality comes from ``quarry eval --json`` output saved as
-  ``bench/.out/eval-<dataset>.json`` (with and without rerank), when present;
+  ``bench/.out/eval-<dataset>.json`` (with and without rerank), which
+  ``bench/retrieval_quality.py`` writes (about 20 minutes: ``--skip
+  retrieval_quality`` leaves it out), or a hand-run ``quarry eval``;
 * any other benchmark gets its printed report, verbatim.
 
 The plots are drawn with matplotlib from the peers' virtualenv (``bench/.peers``),
@@ -756,15 +758,16 @@ def _quality_section(quality: list[dict[str, Any]], plot: bool) -> list[str]:
     if not quality:
         return [
             *lines,
-            "No `quarry eval` result yet. Save one as `bench/.out/eval-<dataset>.json`, e.g. "
-            "`quarry eval ../shared/eval/scifact --json > bench/.out/eval-scifact.json`, and "
-            "rerun `python bench/run_all.py --render-only`. See docs/evaluation.md.",
+            "No `quarry eval` result yet: `python bench/retrieval_quality.py` makes one "
+            "(or save `quarry eval DATASET --json` as `bench/.out/eval-<dataset>.json`), "
+            "then `python bench/run_all.py --render-only`. See docs/evaluation.md.",
             "",
         ]
     metrics = ["ndcg@10", "recall@10", "recall@100", "mrr@10"]
     lines += [
-        "From `quarry eval --json` output in `bench/.out/eval-*.json` (method: "
-        "docs/evaluation.md).",
+        "From `quarry eval --json` output in `bench/.out/eval-*.json`, written by "
+        "`bench/retrieval_quality.py` (below: the comparison with the model applied "
+        "directly, measured in the same run); method: docs/evaluation.md.",
         "",
         "| file | dataset | model | queries | ranking | " + " | ".join(metrics) + " |",
         "|---|---|---|---:|---|" + "---:|" * len(metrics),
