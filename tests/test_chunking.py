@@ -249,6 +249,44 @@ def test_code_markup_has_no_headings() -> None:
     assert all(c.headings == () for c in chunks_of(text, 4, 0, "code"))
 
 
+def test_a_list_item_above_a_rule_is_not_a_heading() -> None:
+    # CommonMark: "- item" then "---" is a list and a thematic break, not a setext title.
+    body = " ".join(f"Sentence {i} is about the install." for i in range(40))
+    for rule in ("---", "==="):
+        text = (
+            f"# Handbook\n\n## Install\n\nYou need:\n\n- Python\n- a C compiler\n{rule}\n\n{body}\n"
+        )
+        chunks = chunks_of(text, 64, 8)
+        assert len(chunks) > 2
+        assert all(c.headings == ("Handbook", "Install") for c in chunks[1:])
+
+
+_HANDLER = '''def handler_{n}(request, context):
+    """Handle request {n} for the account service.
+
+    The account and the context are checked before anything is written,
+    and every failure is logged with the request id.
+    """
+    account = context.accounts.get(request.account_id)
+
+    if account is None:
+        raise NotFound(request.account_id)
+    result = account.apply(request.change)
+
+    return result
+'''
+
+
+def test_code_chunks_end_between_top_level_blocks() -> None:
+    # Blank lines inside a function are weaker boundaries than those before the next one.
+    text = "\n\n".join(_HANDLER.format(n=n) for n in range(8))
+    assert 80 < tiktoken_count(_HANDLER) < 120
+    chunks = chunks_of(text, 256, 0, "code")
+    assert len(chunks) >= 3
+    for chunk in chunks[:-1]:
+        assert text[chunk.char_end :].lstrip().startswith("def handler_")
+
+
 def test_a_code_fence_that_fits_is_kept_whole() -> None:
     fence = "```\n" + "\n".join(f"line_{i} = {i}" for i in range(12)) + "\n```\n"
     text = "Before the code. " * 6 + "\n\n" + fence + "\nAfter the code. " * 6

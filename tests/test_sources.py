@@ -12,6 +12,7 @@ import pytest
 from pypdf import PdfWriter
 from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
 
+from quarry.chunking import Chunker
 from quarry.documents import Document, doc_id_for
 from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 from quarry.sources import (
@@ -370,6 +371,35 @@ def test_an_inline_svg_title_is_not_the_page_title() -> None:
 )
 def test_markdown_titles_skip_front_matter_lists_and_fences(markdown: str, title: str) -> None:
     assert _markup_title(markdown, rst=False) == title
+
+
+@pytest.mark.parametrize(
+    ("name", "content_type"),
+    [
+        ("main.tf", "text/x-hcl"),
+        ("analysis.R", "text/x-r"),
+        ("app.ini", "text/x-ini"),
+        ("nginx.conf", "text/x-config"),
+        ("Dockerfile", "text/x-dockerfile"),
+        ("Dockerfile.dev", "text/x-dockerfile"),
+        ("Makefile", "text/x-makefile"),
+        ("CMakeLists.txt", "text/x-cmake"),
+        ("notes.txt", "text/plain"),
+        ("makefile.txt", "text/plain"),
+    ],
+)
+def test_config_and_build_files_are_code_whose_comments_are_no_headings(
+    tmp_path: Path, name: str, content_type: str
+) -> None:
+    # A "# comment" in these is not a heading: each would start a chunk and a breadcrumb.
+    path = tmp_path / name
+    path.write_text("# Web server\nport = 80\n\n  # Tags for billing\ntags = 1\n")
+    [doc] = load_path(path)
+    assert doc.metadata["content_type"] == content_type
+    headings = {h for chunk in Chunker(8, 0).chunk(doc) for h in chunk.headings}
+    assert headings == (
+        set() if content_type != "text/plain" else {"Web server", "Tags for billing"}
+    )
 
 
 def test_load_path_reads_any_single_file_as_text(tmp_path: Path) -> None:

@@ -83,8 +83,10 @@ ENCODING_NAME = "cl100k_base"
 # a collection, and a new version re-chunks every document on the next sync.
 # 2: sentence cuts after fullwidth terminators (。！？), overlap for text without spaces.
 # 3: no overlap starts inside a grapheme cluster (Thai, NFD Hangul, Indic conjuncts).
+# 4: code prefers to end a chunk before an unindented line (a top-level block); in
+#    markdown a list item above ``---`` or ``===`` is no heading.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
-CHUNKER_VERSION = 3
+CHUNKER_VERSION = 4
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -393,7 +395,7 @@ class _StructureScanner:
                                     held = event
                             pending.clear()
                         yield held
-                        held = _Event(after, PARAGRAPH)
+                        held = _Event(after, self._paragraph_level(after))
                     continue
                 if m.start() < resume:
                     continue
@@ -414,6 +416,17 @@ class _StructureScanner:
                 yield held
                 held = event
         yield held
+
+    def _paragraph_level(self, pos: int) -> int:
+        """The boundary strength of a paragraph starting at ``pos``, after a blank line.
+
+        In code a blank line before an unindented line usually ends a top-level
+        block (a function, a class, a resource), and a blank line inside one does
+        not: the first is as strong as the end of a fenced block.
+        """
+        if self.markup == "code" and self.text[pos] not in " \t}])":
+            return FENCE
+        return PARAGRAPH
 
     def _classify(self, m: re.Match[str], line_start: int, held: _Event, out: list[_Event]) -> int:
         """Handle one interesting line; returns where to scan on, or -1 at the end of the text."""
@@ -468,6 +481,8 @@ class _StructureScanner:
         above = _LINE.match(title)
         if above is not None and above.group("adorn") is not None:
             return
+        if above is not None and above.group("item") is not None and self.markup != "rst":
+            return  # CommonMark: a list item is no setext title; the line is a thematic break
         overline = (
             previous is not None
             and previous[1] == char

@@ -106,10 +106,61 @@ _CONTENT_TYPES: dict[str, str] = {
     ".yaml": "text/x-yaml",
     ".yml": "text/x-yaml",
     ".toml": "text/x-toml",
-    ".ini": "text/plain",
-    ".cfg": "text/plain",
+    ".ini": "text/x-ini",
+    ".cfg": "text/x-config",
+    ".conf": "text/x-config",
+    ".properties": "text/x-java-properties",
+    ".env": "text/x-config",
     ".xml": "text/xml",
     ".csv": "text/csv",
+    ".tsv": "text/tab-separated-values",
+    ".tf": "text/x-hcl",
+    ".tfvars": "text/x-hcl",
+    ".hcl": "text/x-hcl",
+    ".r": "text/x-r",
+    ".pl": "text/x-perl",
+    ".pm": "text/x-perl",
+    ".jl": "text/x-julia",
+    ".ps1": "text/x-powershell",
+    ".psm1": "text/x-powershell",
+    ".lua": "text/x-lua",
+    ".dart": "text/x-dart",
+    ".ex": "text/x-elixir",
+    ".exs": "text/x-elixir",
+    ".erl": "text/x-erlang",
+    ".hs": "text/x-haskell",
+    ".clj": "text/x-clojure",
+    ".zig": "text/x-zig",
+    ".nim": "text/x-nim",
+    ".vue": "text/x-vue",
+    ".svelte": "text/x-svelte",
+    ".scss": "text/x-scss",
+    ".sass": "text/x-sass",
+    ".less": "text/x-less",
+    ".proto": "text/x-protobuf",
+    ".graphql": "application/graphql",
+    ".gql": "application/graphql",
+    ".gradle": "text/x-groovy",
+    ".groovy": "text/x-groovy",
+    ".zsh": "text/x-shellscript",
+    ".fish": "text/x-shellscript",
+    ".mk": "text/x-makefile",
+    ".cmake": "text/x-cmake",
+    ".dockerfile": "text/x-dockerfile",
+}
+# Files known by their name: build and container files, where ``#`` starts a comment.
+_NAMED_CONTENT_TYPES: dict[str, str] = {
+    "dockerfile": "text/x-dockerfile",
+    "containerfile": "text/x-dockerfile",
+    "makefile": "text/x-makefile",
+    "gnumakefile": "text/x-makefile",
+    "cmakelists.txt": "text/x-cmake",
+    "jenkinsfile": "text/x-groovy",
+    "gemfile": "text/x-ruby",
+    "rakefile": "text/x-ruby",
+    "vagrantfile": "text/x-ruby",
+    "justfile": "text/x-makefile",
+    "procfile": "text/x-config",
 }
 _TEXT_FALLBACK = "text/plain"
 
@@ -561,6 +612,11 @@ def _fail(uri: str, message: str) -> UnreadableDocument:
 
 
 def _content_type(path: Path) -> str:
+    name = path.name.lower()
+    if name in _NAMED_CONTENT_TYPES:
+        return _NAMED_CONTENT_TYPES[name]
+    if name.startswith(("dockerfile.", "containerfile.")):  # Dockerfile.dev
+        return "text/x-dockerfile"
     return _CONTENT_TYPES.get(path.suffix.lower(), _TEXT_FALLBACK)
 
 
