@@ -69,6 +69,9 @@ PIECES = [
     "<|endoftext|>",
     ".",
     "::\n",
+    ".. note::\n",
+    "def f():\n",
+    "}\n",
 ]
 
 structured_text = st.lists(st.sampled_from(PIECES), max_size=120).map("".join)
@@ -285,6 +288,22 @@ def test_code_chunks_end_between_top_level_blocks() -> None:
     assert len(chunks) >= 3
     for chunk in chunks[:-1]:
         assert text[chunk.char_end :].lstrip().startswith("def handler_")
+
+
+def test_an_rst_literal_block_or_directive_that_fits_is_kept_whole_with_its_lead_in() -> None:
+    code = "\n\n".join(
+        f"    def step_{i}(ctx):\n        ctx.result_{i} = compute({i})\n        return ctx"
+        for i in range(8)
+    )
+    intro = " ".join(f"Sentence {i} explains the deploy." for i in range(12))
+    note = ".. note::\n\n   A note body that goes on\n\n   over two paragraphs."
+    text = f"Deploy\n======\n\n{intro}\n\nExample::\n\n{code}\n\n{note}\n\nAfter the note.\n"
+    assert 150 < tiktoken_count(code) < 200
+    chunks = chunks_of(text, 256, 32, "rst")
+    assert any(f"Example::\n\n{code}" in c.text for c in chunks)
+    small = chunks_of(text, 48, 0, "rst")
+    assert any(note in c.text for c in small)
+    assert all(c.headings == ("Deploy",) for c in chunks)
 
 
 def test_a_code_fence_that_fits_is_kept_whole() -> None:

@@ -83,7 +83,8 @@ ENCODING_NAME = "cl100k_base"
 # a collection, and a new version re-chunks every document on the next sync.
 # 2: sentence cuts after fullwidth terminators (。！？), overlap for text without spaces.
 # 3: no overlap starts inside a grapheme cluster (Thai, NFD Hangul, Indic conjuncts).
-# 4: code prefers to end a chunk before an unindented line (a top-level block); in
+# 4: code prefers to end a chunk before an unindented line (a top-level block); rst
+#    literal blocks and directives are kept whole with their lead-in, as fences are; in
 #    markdown a list item above ``---`` or ``===`` is no heading.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 4
@@ -335,6 +336,21 @@ def _closing_fence(char: str, length: int) -> re.Pattern[str]:
     return re.compile(r"^[ ]{0,3}" + re.escape(char) + "{" + str(length) + r",}[ \t]*$", re.M)
 
 
+@functools.lru_cache(maxsize=64)
+def _dedent_to(indent: int) -> re.Pattern[str]:
+    """A newline before a line indented ``indent`` columns or less (spaces; a tab is one)."""
+    return re.compile(r"\n(?=[ \t]{0," + str(indent) + r"}\S)")
+
+
+# What starts a line that continues a block of code rather than ending it.
+_INDENTED = frozenset(" \t}])")
+_RST_DIRECTIVE = re.compile(r"[ \t]*\.\.[ \t]+[\w:.+-]+::")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
 @dataclass(slots=True)
 class _Event:
     """A place where a unit starts."""
@@ -376,6 +392,7 @@ class _StructureScanner:
         held = _Event(0, PARAGRAPH)
         pending: list[_Event] = []
         resume = 0  # matches before this (inside a code fence) are skipped
+        rst, code = self.markup == "rst", self.markup == "code"
         first = _LINE.match(text, 0)
         if first is not None:
             resume = self._classify(first, 0, held, pending)
@@ -385,6 +402,23 @@ class _StructureScanner:
                     if m.start() < resume:
                         continue
                     after = m.end() + 1
+                    block_end = self._literal_block_end(held.pos, m.start(), after) if rst else None
+                    if block_end is not None:
+                        # An rst literal block or directive: one unit with its lead-in.
+                        for event in pending:
+                            if event.pos == held.pos:
+                                _merge(held, event)
+                            elif event.pos > held.pos:
+                                yield held
+                                held = event
+                        pending.clear()
+                        held.fence = True
+                        if block_end >= len(text):
+                            break
+                        yield held
+                        held = _Event(block_end, FENCE)
+                        resume = block_end - 1  # the line at block_end is classified as usual
+                        continue
                     if after > held.pos:
                         if pending:
                             for event in pending:
@@ -395,7 +429,10 @@ class _StructureScanner:
                                     held = event
                             pending.clear()
                         yield held
-                        held = _Event(after, self._paragraph_level(after))
+                        # In code a blank line before an unindented line usually ends a
+                        # top-level block (a function, a resource), and one inside does not.
+                        level = FENCE if code and text[after] not in _INDENTED else PARAGRAPH
+                        held = _Event(after, level)
                     continue
                 if m.start() < resume:
                     continue
@@ -417,16 +454,29 @@ class _StructureScanner:
                 held = event
         yield held
 
-    def _paragraph_level(self, pos: int) -> int:
-        """The boundary strength of a paragraph starting at ``pos``, after a blank line.
-
-        In code a blank line before an unindented line usually ends a top-level
-        block (a function, a class, a resource), and a blank line inside one does
-        not: the first is as strong as the end of a fenced block.
-        """
-        if self.markup == "code" and self.text[pos] not in " \t}])":
-            return FENCE
-        return PARAGRAPH
+    def _literal_block_end(self, para: int, para_end: int, after: int) -> int | None:
+        """Where an rst literal block or directive ends, when the paragraph ``para``
+        (ending at ``para_end``, a blank line after it) introduces one: it ends in
+        ``::`` or is a directive (``.. note::``), and the text at ``after`` is
+        indented deeper. The block runs to the next line indented no deeper than
+        the introducing line (or the end of the text)."""
+        if self.markup != "rst":
+            return None
+        text = self.text
+        last_start = text.rfind("\n", para, para_end) + 1
+        last = text[last_start:para_end]
+        first_end = text.find("\n", para, para_end)
+        first = text[para : first_end if first_end >= 0 else para_end]
+        if _RST_DIRECTIVE.match(first):
+            reference = _indent(first)
+        elif last.rstrip().endswith("::"):
+            reference = _indent(last)
+        else:
+            return None
+        if after >= len(text) or _indent(text[after : _line_end(text, after)]) <= reference:
+            return None
+        found = _dedent_to(reference).search(text, after)
+        return found.end() if found is not None else len(text)
 
     def _classify(self, m: re.Match[str], line_start: int, held: _Event, out: list[_Event]) -> int:
         """Handle one interesting line; returns where to scan on, or -1 at the end of the text."""
