@@ -467,6 +467,26 @@ def test_short_latin1_text_is_not_read_as_a_cjk_encoding(tmp_path: Path, text: s
     assert doc.metadata["encoding"] == "cp1252"
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Price list:\n- Coffee €2.50\n- Tea €2.00\n",  # detection alone: cp437, "Ç2.50"
+        # Detection alone: cp775, "¢ Q3 budget is Ć12,000".
+        "Meeting notes – Q3 budget is €12,000; travel €3,500.\nNext review in October.\n",
+        # Detection alone: latin_1, with U+0097 (a C1 control) where browsers show a dash.
+        '<html><head><meta charset="iso-8859-1"><title>Café menu</title></head><body><main>'
+        "<p>Crème brûlée — naïve</p></main></body></html>",
+    ],
+)
+def test_cp1252_symbols_are_not_read_as_a_dos_code_page_or_latin1_controls(
+    tmp_path: Path, text: str
+) -> None:
+    (tmp_path / "prices.txt").write_bytes(text.encode("cp1252"))
+    [doc] = load_document(tmp_path / "prices.txt", open_source(tmp_path))
+    assert doc.text == text
+    assert doc.metadata["encoding"] == "cp1252"
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
 def test_text_with_a_wide_byte_order_mark_is_read_by_it(tmp_path: Path, encoding: str) -> None:
     text = "Hello world, a note saved by Notepad.\n"

@@ -62,7 +62,8 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # Bump when a loader change alters what an unchanged file loads as: file stamps
 # recorded by an older loader then no longer vouch for their files.
 # 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB. 3: HTML code blocks
-# keep their lines, table cells their words, paragraph text that reads as markup is escaped.
+# keep their lines, table cells their words, paragraph text that reads as markup is escaped;
+# cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes.
 LOADER_VERSION = 3
 
 # Content types by extension. A fixed table, not the mimetypes module: the
@@ -177,6 +178,11 @@ _HIGH_BYTES = bytes(range(0x80, 0x100))
 _NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 _WESTERN_PUNCTUATION = frozenset("‘’‚“”„–—…•€£©®°«»¿¡·™†‡‰‹›")
 _MULTIBYTE = re.compile(r"big5|cp9[345]\d|gb|euc|hz|iso2022|johab|shift_jis|utf_(16|32)")
+# DOS and classic Mac code pages: detection picks them for a cp1252 file with a few
+# symbols (a "\x80" euro sign reads as cp437's "Ç"), and they are rarely what a file is.
+_DOS_OR_MAC = re.compile(r"cp(?:437|7\d\d|8[5-6]\d)$|mac_")
+# Latin-1's C1 controls: text never means them; in cp1252 they are “quotes”, dashes, €.
+_C1_BYTES = re.compile(rb"[\x80-\x9f]")
 _BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
 
 
@@ -629,6 +635,14 @@ def normalise_text(text: str) -> str:
     return text
 
 
+def _decodes(data: bytes, encoding: str) -> bool:
+    try:
+        data.decode(encoding)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _mostly_ascii_western(data: bytes) -> bool:
     """Whether ``data`` reads as ASCII text with a few Western letters in cp1252.
 
@@ -743,13 +757,13 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
         if match.chaos <= best.chaos + _CHAOS_MARGIN and _PREFERRED in match.could_be_from_charset:
             encoding = _PREFERRED
             break
-    if (
-        not wide_bom
-        and encoding != _PREFERRED
-        and _MULTIBYTE.match(encoding)
-        and _mostly_ascii_western(data)
-    ):
-        encoding = _PREFERRED
+    if not wide_bom and encoding != _PREFERRED:
+        if (_MULTIBYTE.match(encoding) or _DOS_OR_MAC.match(encoding)) and _mostly_ascii_western(
+            data
+        ):
+            encoding = _PREFERRED
+        elif encoding == "latin_1" and _C1_BYTES.search(data) and _decodes(data, _PREFERRED):
+            encoding = _PREFERRED  # as browsers read a page labelled ISO-8859-1 (WHATWG)
     try:
         return data.decode(encoding), encoding
     except (UnicodeDecodeError, LookupError) as exc:
