@@ -354,6 +354,22 @@ def test_overlap_repeats_the_tail_of_the_previous_chunk() -> None:
         assert starts_at_space or text[after.char_start - 1] == "\n"
 
 
+def test_a_chunk_that_closed_early_is_not_repeated_whole_by_the_next() -> None:
+    # The notes close a small chunk (the long paragraph after them does not fit); the
+    # next chunk's overlap used to take nearly all of the notes again.
+    alpha = " ".join(f"Alpha sentence {i} describes the first topic at length." for i in range(20))
+    notes = "\n\n".join(f"Note {j}: supported on Linux." for j in range(5))
+    gamma = " ".join(f"Gamma sentence {i} covers the third topic here." for i in range(20))
+    text = f"# Notes\n\n{alpha}\n\n{notes}\n\n{gamma}\n"
+    chunks = chunks_of(text, 256, 32)
+    assert len(chunks) == 3
+    for index, (chunk, after) in enumerate(itertools.pairwise(chunks)):
+        own_start = chunks[index - 1].char_end if index else chunk.char_start
+        own = tiktoken_count(text[own_start : chunk.char_end])
+        lent = tiktoken_count(text[after.char_start : chunk.char_end])
+        assert 0 < lent <= own // 2 + 1
+
+
 def test_small_tail_is_merged_into_its_neighbour() -> None:
     # Greedy packing would end with a chunk of 3 tokens ("Tiny end."): the last
     # two chunks are rebalanced at a sentence instead.

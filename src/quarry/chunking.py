@@ -85,7 +85,8 @@ ENCODING_NAME = "cl100k_base"
 # 3: no overlap starts inside a grapheme cluster (Thai, NFD Hangul, Indic conjuncts).
 # 4: code prefers to end a chunk before an unindented line (a top-level block); rst
 #    literal blocks and directives are kept whole with their lead-in, as fences are; in
-#    markdown a list item above ``---`` or ``===`` is no heading.
+#    markdown a list item above ``---`` or ``===`` is no heading; a chunk lends the next
+#    at most half of its own tokens as overlap.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 4
 
@@ -1334,11 +1335,18 @@ class _Packer:
         """
         if self.overlap == 0 or nxt.level == HEADING:
             return nxt.start, 0
-        found = self._overlap_at_words(spec, nxt)
+        # A chunk with little text of its own (it closed early: the next unit did not
+        # fit) lends at most half of it, or the next chunk would repeat nearly all of
+        # it and search would find the two as near-duplicates.
+        own = sum(unit.ntok for unit in spec.units)
+        limit = min(self.overlap, own // 2)
+        if limit <= 0:
+            return nxt.start, 0
+        found = self._overlap_at_words(spec, nxt, limit)
         if found[1]:
             return found
         floor, cut = spec.units[0].start, spec.units[-1].end
-        return self._overlap_in_text(floor, cut, self.overlap) or found
+        return self._overlap_in_text(floor, cut, limit) or found
 
     def _overlap_in_text(self, floor: int, cut: int, budget: int) -> tuple[int, int] | None:
         """An overlap of 1 to ``budget`` tokens ending at ``cut`` and starting after ``floor``.
@@ -1404,18 +1412,19 @@ class _Packer:
                 return place, count
         return None
 
-    def _overlap_at_words(self, spec: _Spec, nxt: _Unit) -> tuple[int, int]:
-        """:meth:`_overlap_for` at a token-additive place; ``(nxt.start, 0)`` when none fits."""
+    def _overlap_at_words(self, spec: _Spec, nxt: _Unit, limit: int) -> tuple[int, int]:
+        """:meth:`_overlap_for` at a token-additive place, at most ``limit`` tokens;
+        ``(nxt.start, 0)`` when none fits."""
         cut = spec.units[-1].end
         floor = spec.units[0].start  # never reach into the chunk before
         if spec.units[-1].pieces:
-            found = self._overlap_from_pieces(spec, nxt, floor)
+            found = self._overlap_from_pieces(spec, nxt, floor, limit)
             if found is not None:
                 return found
         tail: list[int] = []
         known = True  # whether ``tail`` is the real tokenization of the text it covers
         for unit in reversed(spec.units):
-            need = self.overlap - len(tail)
+            need = limit - len(tail)
             if need <= 0:
                 break
             if not unit.exact or (need > unit.t1 - unit.t0 and not unit.seam):
@@ -1451,21 +1460,22 @@ class _Packer:
         start = cut - _tail_chars_for_bytes(text[max(floor, cut - nbytes) : cut], nbytes)
         for m in _OVERLAP_START.finditer(text, max(start, floor + 1), cut):
             count = count_tokens(text[m.start() : cut])
-            if count <= self.overlap:
+            if count <= limit:
                 return m.start(), count
         return nxt.start, 0
 
-    def _overlap_from_pieces(self, spec: _Spec, nxt: _Unit, floor: int) -> tuple[int, int] | None:
+    def _overlap_from_pieces(
+        self, spec: _Spec, nxt: _Unit, floor: int, limit: int
+    ) -> tuple[int, int] | None:
         """:meth:`_overlap_for` when the chunk's tail lies in units counted by pieces.
 
         The earliest token-additive place among the tail pieces that fit in
-        fewer than ``overlap`` tokens: a piece starting with a space or tab
+        fewer than ``limit`` tokens: a piece starting with a space or tab
         after a printable character, or a printable piece at a line start. The
         same places the token tables find, one word at a time, so the chunks
         are those the token path gives. None when the tail reaches into a unit
         held as tokens or across a seam; the token path then decides.
         """
-        limit = self.overlap
         tail: list[str] = []  # the chunk's last pieces, last first
         need = limit
         for unit in reversed(spec.units):
