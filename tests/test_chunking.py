@@ -306,6 +306,19 @@ def test_an_rst_literal_block_or_directive_that_fits_is_kept_whole_with_its_lead
     assert all(c.headings == ("Deploy",) for c in chunks)
 
 
+def test_a_short_lead_in_ending_with_a_colon_stays_with_its_fence() -> None:
+    intro = " ".join(f"Sentence {i} is about encoding." for i in range(30))
+    fence = "```\n" + "\n".join(f"json.dumps(obj_{i})" for i in range(20)) + "\n```"
+    lead = "Encoding basic Python object hierarchies:"
+    text = f"# JSON\n\n{intro}\n\n{lead}\n\n{fence}\n\nAfter.\n"
+    chunks = chunks_of(text, 256, 32)
+    assert any(f"{lead}\n\n{fence}" in c.text for c in chunks)
+    assert not any(c.text.rstrip().endswith(lead) for c in chunks)  # not cut from its code
+    # Without the colon it is an ordinary paragraph, packed with the text before it.
+    plain = text.replace(lead, lead.rstrip(":") + ".")
+    assert any(c.text.rstrip().endswith(lead.rstrip(":") + ".") for c in chunks_of(plain, 256, 32))
+
+
 def test_a_code_fence_that_fits_is_kept_whole() -> None:
     fence = "```\n" + "\n".join(f"line_{i} = {i}" for i in range(12)) + "\n```\n"
     text = "Before the code. " * 6 + "\n\n" + fence + "\nAfter the code. " * 6

@@ -86,7 +86,8 @@ ENCODING_NAME = "cl100k_base"
 # 4: code prefers to end a chunk before an unindented line (a top-level block); rst
 #    literal blocks and directives are kept whole with their lead-in, as fences are; in
 #    markdown a list item above ``---`` or ``===`` is no heading; a chunk lends the next
-#    at most half of its own tokens as overlap.
+#    at most half of its own tokens as overlap; a short paragraph ending in ":" stays with
+#    the code fence it introduces.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 4
 
@@ -343,6 +344,9 @@ def _dedent_to(indent: int) -> re.Pattern[str]:
     return re.compile(r"\n(?=[ \t]{0," + str(indent) + r"}\S)")
 
 
+# A paragraph up to this long that ends with ":" right before a code fence is kept with it.
+_LEAD_IN_MAX_CHARS = 400
+_FENCE_LINE = re.compile(r"[ ]{0,3}(?:`{3,}|~{3,})")
 # What starts a line that continues a block of code rather than ending it.
 _INDENTED = frozenset(" \t}])")
 _RST_DIRECTIVE = re.compile(r"[ \t]*\.\.[ \t]+[\w:.+-]+::")
@@ -386,6 +390,7 @@ class _StructureScanner:
             {} if markup == "rst" else {("=", False): 1, ("-", False): 2}
         )
         self.last_adornment: tuple[int, str, int] | None = None  # (line start, char, length)
+        self.bound_fence = -1  # a fence that starts no unit: its lead-in's unit holds it
 
     def events(self) -> Iterator[_Event]:
         """Unit starts in strictly increasing position order; the first is at 0."""
@@ -429,6 +434,15 @@ class _StructureScanner:
                                     yield held
                                     held = event
                             pending.clear()
+                        if (
+                            self.fences_on
+                            and _FENCE_LINE.match(text, after)
+                            and self._leads_in(held, after)
+                        ):
+                            # One unit: "For example:" and the code it introduces.
+                            held.fence = True
+                            self.bound_fence = after
+                            continue
                         yield held
                         # In code a blank line before an unindented line usually ends a
                         # top-level block (a function, a resource), and one inside does not.
@@ -454,6 +468,15 @@ class _StructureScanner:
                 yield held
                 held = event
         yield held
+
+    def _leads_in(self, held: _Event, fence_start: int) -> bool:
+        """Whether the paragraph ``held``, right before a fence, introduces it: it is
+        short and ends with a colon ("Encoding basic Python object hierarchies:")."""
+        if held.heading is not None or held.fence or not held.pos < fence_start:
+            return False
+        if fence_start - held.pos > _LEAD_IN_MAX_CHARS:
+            return False
+        return self.text[held.pos : fence_start].rstrip().endswith(":")
 
     def _literal_block_end(self, para: int, para_end: int, after: int) -> int | None:
         """Where an rst literal block or directive ends, when the paragraph ``para``
@@ -492,7 +515,8 @@ class _StructureScanner:
             if not self.fences_on:
                 return end
             fchar = m.group("fchar")
-            out.append(_Event(line_start, FENCE, fence=True))
+            if line_start != self.bound_fence:  # else the lead-in's unit holds the fence
+                out.append(_Event(line_start, FENCE, fence=True))
             closing = _closing_fence(fchar[0], len(fchar)).search(text, end + 1)
             if closing is None:
                 return -1  # an unclosed fence runs to the end of the text
