@@ -348,6 +348,25 @@ def test_html_text_keeps_what_the_page_shows(html: str, expected: str) -> None:
     assert text == expected
 
 
+def test_a_page_without_main_drops_its_banner_footer_and_sidebar() -> None:
+    html = (
+        "<html><body><header>ACME HEADER <a href='/'>Home</a></header><h1>Post</h1>"
+        "<p>Body text.</p><section><header>Section head</header><p>In section.</p>"
+        "<footer>Section foot</footer></section><aside>Sidebar</aside>"
+        "<footer>FOOTER COPYRIGHT</footer></body></html>"
+    )
+    assert html_to_text(html)[1] == (
+        "# Post\n\nBody text.\n\nSection head\n\nIn section.\n\nSection foot\n"
+    )
+    # A page header that holds the page's heading is its start, not a banner.
+    kept = "<html><body><header><h1>My Post</h1></header><p>Body.</p><footer>(c)</footer></body></html>"
+    assert html_to_text(kept)[1] == "# My Post\n\nBody.\n"
+    # A page that is nothing but furniture is still read.
+    assert (
+        html_to_text("<html><body><footer>Only this.</footer></body></html>")[1] == "Only this.\n"
+    )
+
+
 def test_an_inline_svg_title_is_not_the_page_title() -> None:
     html = (
         "<html><head></head><body><header><svg><title>Company logo</title></svg></header>"

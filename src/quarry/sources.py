@@ -63,7 +63,8 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # recorded by an older loader then no longer vouch for their files.
 # 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB. 3: HTML code blocks
 # keep their lines, table cells their words, paragraph text that reads as markup is escaped;
-# cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes.
+# cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes; a
+# page without <main> loses its own banner, footer and sidebars.
 LOADER_VERSION = 3
 
 # Content types by extension. A fixed table, not the mimetypes module: the
@@ -1372,16 +1373,24 @@ def _code_table_text(table: Any) -> str:
     return "\n".join(codes)
 
 
-def _render(root: Any, out: _HtmlText) -> None:
-    """Walk the tree (iteratively: deep pages cannot hit the recursion limit) into ``out``."""
+def _render(root: Any, out: _HtmlText, *, page_furniture: bool = False) -> None:
+    """Walk the tree (iteratively: deep pages cannot hit the recursion limit) into ``out``.
+
+    ``page_furniture`` drops the page's own ``<footer>`` and ``<aside>``, and a
+    ``<header>`` without an ``<h1>``, outside any ``<article>``, ``<section>`` or
+    ``<main>`` (a site banner and its copyright line, on a page without a main element).
+    """
     stack: list[tuple[Any, bool]] = [(root, False)]
     lists: list[list[int]] = []  # per open list: [is_ordered, next number]
     rows: list[int] = []  # cells seen so far in each open table row
     cells = 0  # depth of open table cells: their blocks run inline
+    sections = 0  # depth of open sectioning elements, whose header and footer are theirs
     while stack:
         node, closing = stack.pop()
         tag = node.tag
         if closing:
+            if tag in _SECTIONING:
+                sections -= 1
             if tag in ("td", "th"):
                 cells -= 1
             elif tag == "tr":
@@ -1404,6 +1413,15 @@ def _render(root: Any, out: _HtmlText) -> None:
             continue
         if tag.startswith(("-", "!")) or _dropped(node):
             continue
+        if (
+            page_furniture
+            and not sections
+            and tag in _FURNITURE
+            and (tag != "header" or node.css_first("h1") is None)
+        ):
+            continue
+        if tag in _SECTIONING:
+            sections += 1
         if tag == "br":
             out.inline.append(_BREAK)
             continue
@@ -1472,6 +1490,7 @@ def _main_node(tree: Any) -> Any:
 
 
 _FURNITURE = frozenset({"aside", "header", "footer"})
+_SECTIONING = frozenset({"article", "section", "main"})
 
 
 class _Ancestry:
@@ -1558,9 +1577,10 @@ def html_to_text(html: str) -> tuple[str, str]:
     if main is None:
         return title, ""
     out = _HtmlText()
-    _render(main, out)
+    whole_page = tree.body is not None and main.mem_id == tree.body.mem_id
+    _render(main, out, page_furniture=whole_page)
     text = out.text()
-    if not text and tree.body is not None and main is not tree.body:
+    if not text and tree.body is not None:
         out = _HtmlText()  # the chosen element held nothing to read: take the whole page
         _render(tree.body, out)
         text = out.text()
