@@ -1,8 +1,16 @@
-"""Markdown line rules shared by the loader (a document's title) and the chunker (breadcrumbs)."""
+"""Markup line rules shared by the loader (a document's title) and the chunker (breadcrumbs)."""
 
 from __future__ import annotations
 
-__all__ = ["atx_title"]
+import re
+
+__all__ = ["atx_title", "rst_title"]
+
+# reST inline markup a section title carries: a role (:mod:`email`, :ref:`Text <target>`),
+# an inline literal (``x``), a named reference (`Text`_, `Text <url>`_).
+_RST_ROLE = re.compile(r":[\w.+-]+(?::[\w.+-]+)*:`([^`<]*?)\s*(?:<[^`>]*>)?`")
+_RST_REFERENCE = re.compile(r"`([^`<]*?)\s*(?:<[^`>]*>)?`__?")
+_RST_LITERAL = re.compile(r"``(.+?)``")
 
 
 def atx_title(content: str) -> str:
@@ -20,3 +28,14 @@ def atx_title(content: str) -> str:
     if len(bare) < len(title) and bare[-1:] in (" ", "\t"):
         title = bare
     return title.strip()
+
+
+def rst_title(line: str) -> str:
+    """The text of a reStructuredText section title line, without its inline markup:
+    ``:mod:`email` Package Architecture`` is ``email Package Architecture``."""
+    title = line.strip()
+    if "`" in title:
+        title = _RST_LITERAL.sub(r"\1", title)
+        title = _RST_ROLE.sub(r"\1", title)
+        title = _RST_REFERENCE.sub(r"\1", title)
+    return title

@@ -73,7 +73,7 @@ from typing import Literal, cast
 
 import tiktoken
 
-from quarry._markdown import atx_title
+from quarry._markdown import atx_title, rst_title
 from quarry._pieces import PieceCounts, pretokenize
 from quarry.documents import Chunk, Document
 from quarry.errors import ConfigError
@@ -87,7 +87,7 @@ ENCODING_NAME = "cl100k_base"
 #    literal blocks and directives are kept whole with their lead-in, as fences are; in
 #    markdown a list item above ``---`` or ``===`` is no heading; a chunk lends the next
 #    at most half of its own tokens as overlap; a short paragraph ending in ":" stays with
-#    the code fence it introduces.
+#    the code fence it introduces; rst titles lose their inline markup (:mod:`x` is x).
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 4
 
@@ -575,7 +575,7 @@ class _StructureScanner:
         style = (char, overline)
         level = self.styles.setdefault(style, len(self.styles) + 1)
         owner.level = HEADING
-        owner.heading = (level, stripped)
+        owner.heading = (level, rst_title(stripped) if self.markup == "rst" else stripped)
         if _startable(text, end + 1):
             out.append(_Event(end + 1, PARAGRAPH))
 

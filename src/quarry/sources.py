@@ -35,7 +35,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 from typing import Any
 
-from quarry._markdown import atx_title
+from quarry._markdown import atx_title, rst_title
 from quarry.documents import Document, FileStamp
 from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 
@@ -845,7 +845,7 @@ def _markup_title(text: str, rst: bool) -> str:
             and not _UNDERLINE.match(lines[i - 1])
             and (rst or not _LIST_ITEM.match(lines[i - 1]))
         ):
-            title = lines[i - 1].strip()
+            title = rst_title(lines[i - 1]) if rst else lines[i - 1].strip()
             if rst:
                 over = i > 1 and lines[i - 2].strip() == line.strip()
                 style = u.group(1) + ("o" if over else "")
