@@ -247,8 +247,7 @@ def test_html_keeps_title_and_main_text_only() -> None:
     assert title == "Page Title"
     assert "# Main heading\n" in text
     assert "First paragraph with inline code and bold words." in text
-    assert "- apple\n\n- pear" in text
-    assert "1. one\n\n2. two" in text
+    assert "- apple\n- pear\n\n1. one\n2. two\n\n" in text  # two lists, a blank line apart
     assert "```\ndef f():\n    return 1\n```" in text
     assert "Name | Value" in text
     assert "a | 1" in text
@@ -365,6 +364,18 @@ def test_a_page_without_main_drops_its_banner_footer_and_sidebar() -> None:
     assert (
         html_to_text("<html><body><footer>Only this.</footer></body></html>")[1] == "Only this.\n"
     )
+
+
+def test_html_lists_are_tight_nested_and_numbered_from_their_start() -> None:
+    html = (
+        "<p>Intro</p><ul><li>a<ul><li>a1</li><li>a2<ol start='4'><li>x</li><li>y</li></ol>"
+        "</li></ul></li><li>b</li></ul><ol start='3'><li>three</li></ol><p>After.</p>"
+    )
+    _title, text = html_to_text(f"<html><body><main>{html}</main></body></html>")
+    assert text == "Intro\n\n- a\n  - a1\n  - a2\n    4. x\n    5. y\n- b\n\n3. three\n\nAfter.\n"
+    # Each item is still a unit the chunker may cut before.
+    headings = [c.headings for c in Chunker(4, 0).chunk_text(text)]
+    assert headings and all(h == () for h in headings)
 
 
 def test_an_inline_svg_title_is_not_the_page_title() -> None:

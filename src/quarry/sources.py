@@ -64,7 +64,8 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # 2: UTF-8 with stray legacy bytes, BOM-less UTF-16, NULs past 8 KiB. 3: HTML code blocks
 # keep their lines, table cells their words, paragraph text that reads as markup is escaped;
 # cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes; a
-# page without <main> loses its own banner, footer and sidebars.
+# page without <main> loses its own banner, footer and sidebars; list items are one line
+# apart, nested ones indented, <ol start> kept.
 LOADER_VERSION = 3
 
 # Content types by extension. A fixed table, not the mimetypes module: the
@@ -1274,6 +1275,9 @@ class _HtmlText:
         self.blocks: list[str] = []
         self.inline: list[str] = []
         self.prefix = ""
+        self.items: set[int] = set()  # indices of blocks that start a list item
+        self.apart: set[int] = set()  # ... and of those that start another list
+        self.list_ended = False
 
     def flush(self) -> None:
         text = _SPACE_RUN.sub(" ", "".join(self.inline))
@@ -1286,6 +1290,11 @@ class _HtmlText:
             # The first line follows a prefix of ours ("# ", "- ") when there is one.
             first = lines[0] if self.prefix else _escape_markup(lines[0])
             text = "\n".join([first, *map(_escape_markup, lines[1:])])
+            if self.prefix and not self.prefix.startswith("#"):
+                self.items.add(len(self.blocks))
+            if self.list_ended:
+                self.apart.add(len(self.blocks))
+                self.list_ended = False
             self.blocks.append(self.prefix + text)
             self.prefix = ""
 
@@ -1299,8 +1308,15 @@ class _HtmlText:
             self.blocks.append(f"{fence}\n{body}\n{fence}")
 
     def text(self) -> str:
+        """The blocks, a blank line apart; items of a list one line apart, as written."""
         self.flush()
-        return "\n\n".join(self.blocks) + ("\n" if self.blocks else "")
+        parts = []
+        for index, block in enumerate(self.blocks):
+            if index:
+                tight = index in self.items and index - 1 in self.items and index not in self.apart
+                parts.append("\n" if tight else "\n\n")
+            parts.append(block)
+        return "".join(parts) + ("\n" if self.blocks else "")
 
 
 def _dropped(node: Any) -> bool:
@@ -1320,6 +1336,12 @@ def _dropped(node: Any) -> bool:
         return True
     classes = attrs.get("class")
     return bool(classes) and not _DROP_CLASSES.isdisjoint(classes.split())
+
+
+def _list_start(node: Any) -> int:
+    """The number of an ``<ol>``'s first item (its ``start``, else 1)."""
+    start = (node.attributes or {}).get("start") or ""
+    return int(start) if start.strip().isdigit() and len(start) < 10 else 1
 
 
 def _classes(node: Any) -> set[str]:
@@ -1407,6 +1429,7 @@ def _render(root: Any, out: _HtmlText, *, page_furniture: bool = False) -> None:
                     out.prefix = ""  # an empty heading or item does not mark the next block
                 if tag in ("ul", "ol") and lists:
                     lists.pop()
+                    out.list_ended = out.list_ended or not lists
             continue
         if tag == "-text":
             out.inline.append(node.text(deep=False) or "")
@@ -1450,13 +1473,14 @@ def _render(root: Any, out: _HtmlText, *, page_furniture: bool = False) -> None:
         elif tag in _BLOCK_TAGS:
             out.flush()
             if tag in ("ul", "ol"):
-                lists.append([1 if tag == "ol" else 0, 1])
+                lists.append([1 if tag == "ol" else 0, _list_start(node) if tag == "ol" else 1])
             elif tag == "li":
+                indent = "  " * (len(lists) - 1) if lists else ""  # a nested list is indented
                 if lists and lists[-1][0]:
-                    out.prefix = f"{lists[-1][1]}. "
+                    out.prefix = f"{indent}{lists[-1][1]}. "
                     lists[-1][1] += 1
                 else:
-                    out.prefix = "- "
+                    out.prefix = f"{indent}- "
         stack.append((node, True))
         children = []
         child = node.child
