@@ -106,6 +106,7 @@ def reindex_flow(
             gate=gate if eval_dataset else None,
             progress=logger.info,
             force=force,
+            min_canary_cosine=settings.canary_min_cosine,
         )
     for note in report.notes:
         logger.warning(note)
@@ -117,8 +118,12 @@ def reindex_flow(
             f"| model | {report.model['model_id']} (key {report.model['model_key']}) |\n"
             f"| documents | {report.documents} |\n| points | {report.points} |\n"
             f"| verified sample | {report.verified_sample} "
-            f"(min cosine {report.min_sample_cosine:.5f}) |\n"
-            f"| failed (left out) | {len(report.failures)} |\n"
+            + (
+                f"(min cosine {report.min_sample_cosine:.5f}) |\n"
+                if report.min_sample_cosine is not None
+                else "(nothing to re-embed) |\n"
+            )
+            + f"| failed (left out) | {len(report.failures)} |\n"
             f"| switched | {report.switched} |\n"
         ),
         key=f"reindex-{report.alias.lower().replace('_', '-')}",

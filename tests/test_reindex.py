@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from qdrant_client import models
 
 from quarry._http import NO_WAIT
 from quarry.chunking import Chunker
@@ -30,13 +31,15 @@ from quarry.reindex import (
     INTERRUPTED_WRITE,
     META_BUILD,
     REFUSED,
+    VERIFY_SAMPLE,
     prune,
     reindex,
     rollback,
+    verify,
 )
 from quarry.search import Searcher
 from quarry.sources import open_source
-from quarry.store import META_CHUNKING, VectorStore, open_client
+from quarry.store import META_CHUNKING, META_FINGERPRINT, VectorStore, open_client
 from tests.conftest import fail_listing, write_corpus
 
 CORPUS = {
@@ -109,7 +112,8 @@ def test_reindex_switches_to_the_new_model_and_rollback_returns(
     assert report.collection.startswith("kb__") and report.collection != first
     assert index.store.alias_target() == report.collection
     assert index.store.count() == old_points == report.points
-    assert report.verified_sample > 0 and report.min_sample_cosine >= 0.999
+    assert report.verified_sample > 0
+    assert report.min_sample_cosine is not None and report.min_sample_cosine >= 0.999
     fingerprint = index.store.fingerprint()
     assert fingerprint is not None and fingerprint.model.dimensions == 32
 
@@ -178,6 +182,52 @@ def test_a_reindex_that_would_only_copy_the_live_collection_is_refused(
 
     rebuilt = reindex(index.store, headed)
     assert rebuilt.switched and rebuilt.previous == first.collection
+
+
+def test_a_service_that_embeds_otherwise_under_the_same_name_is_rebuilt_not_refused(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    # Operator trial: the canary refusal says "run quarry reindex", which then refused
+    # as "would only copy" because /info, the serving and the chunk settings were equal.
+    index.ingest(old_model.url)
+    first = index.store.alias_target()
+    with pytest.raises(Refused, match="would only copy"):
+        reindex(index.store, lambda store: index.sync(old_model.url, store))
+    stored = index.store.metadata()[META_FINGERPRINT]
+    moved = {**stored, "canary": [-x for x in stored["canary"]]}  # as if built by another
+    index.store.update_metadata({META_FINGERPRINT: moved})
+    report = reindex(index.store, lambda store: index.sync(old_model.url, store))
+    assert report.switched and report.previous == first
+    rebuilt = index.store.fingerprint()
+    assert rebuilt is not None and rebuilt.canary == pytest.approx(stored["canary"])
+
+
+def test_a_reindex_that_splits_chunks_checks_their_parts_too(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    # Operator trial: after a move to a model with a shorter input limit nearly every
+    # point is a part of a split chunk, and the check left them all out (reporting
+    # cosine 1.0 for a sample of none).
+    config = LocalTEIConfig(backend="hash", dims=16, seed=3, max_input_length=32)
+    with LocalTEIServer(config) as short:
+        index.ingest(old_model.url)
+        report = reindex(index.store, lambda store: index.sync(short.url, store))
+        records = list(index.store.scroll(fields=["token_count"], with_vectors=True))
+        parts = [r for r in records if (r.payload or {}).get("token_count") is None]
+        whole = len(records) - len(parts)
+        assert len(parts) > 2 * whole
+        assert min(VERIFY_SAMPLE, whole) < report.verified_sample <= report.points
+        assert report.min_sample_cosine is not None and report.min_sample_cosine >= 0.999
+        # Parts whose vectors are not what their text embeds are caught.
+        index.store.client.update_vectors(
+            collection_name=index.store.resolve(),
+            points=[
+                models.PointVectors(id=r.id, vector=[-x for x in r.vector])  # type: ignore[union-attr]
+                for r in parts
+            ],
+        )
+        with pytest.raises(StoreError, match="re-embeds with cosine"):
+            verify(index.store, index.sync(short.url), index.store.count())
 
 
 def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(

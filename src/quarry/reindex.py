@@ -47,6 +47,7 @@ META_PREVIOUS = "quarry_previous"
 META_BUILD = "quarry_build"
 BUILDING, COMPLETE, REFUSED = "building", "complete", "refused"
 VERIFY_SAMPLE = 16
+VERIFY_SPLIT_CHUNKS = 4
 REINDEX_DOCUMENTS_PER_BATCH = 64
 
 
@@ -61,7 +62,7 @@ class ReindexReport:
     documents: int = 0
     points: int = 0
     verified_sample: int = 0
-    min_sample_cosine: float = 1.0
+    min_sample_cosine: float | None = None
     evaluation: dict[str, Any] | None = None
     switched: bool = False
     failures: list[dict[str, str]] = field(default_factory=list)
@@ -77,7 +78,9 @@ class ReindexReport:
             "documents": self.documents,
             "points": self.points,
             "verified_sample": self.verified_sample,
-            "min_sample_cosine": round(self.min_sample_cosine, 6),
+            "min_sample_cosine": (
+                None if self.min_sample_cosine is None else round(self.min_sample_cosine, 6)
+            ),
             "evaluation": self.evaluation,
             "switched": self.switched,
             "failures": self.failures,
@@ -177,10 +180,14 @@ def _consistent(payloads: Sequence[dict[str, Any]]) -> bool:
     )
 
 
-def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[int, float]:
+def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[int, float | None]:
     """Check the new collection: the point count, and a sample of vectors re-embedded.
 
-    Returns (sampled points, lowest cosine). Raises StoreError when it does not hold.
+    The sample is up to ``VERIFY_SAMPLE`` whole chunks and the parts of up to
+    ``VERIFY_SPLIT_CHUNKS`` split ones: a move to a model with a shorter input limit
+    splits nearly every chunk, and is when the check matters most. Returns (points
+    checked, lowest cosine; None when there was nothing to check). Raises StoreError
+    when it does not hold.
     """
     count = target.count()
     if count != expected_points:
@@ -189,26 +196,40 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
             f"new collection {target.resolve()} holds {count} points, expected "
             f"{expected_points}; the alias was not switched and the collection is dropped",
         )
-    # Pieces of a split chunk are left out: their embedded text had part of a prefix.
-    ids = [
-        str(record.id)
-        for record in target.scroll(fields=["token_count"])
-        if (record.payload or {}).get("token_count") is not None
-    ]
-    sample = random.Random(0).sample(ids, min(VERIFY_SAMPLE, len(ids)))
-    if not sample:
-        return 0, 1.0
+    whole: list[str] = []
+    split: dict[str, list[str]] = collections.defaultdict(list)
+    for record in target.scroll(fields=["token_count", "split_of"]):
+        payload = record.payload or {}
+        if payload.get("token_count") is not None:
+            whole.append(str(record.id))
+        elif payload.get("split_of") is not None:  # parts written before marks: no way back
+            split[str(payload["split_of"])].append(str(record.id))
+    rng = random.Random(0)
+    sample = rng.sample(whole, min(VERIFY_SAMPLE, len(whole)))
+    chosen = rng.sample(sorted(split), min(VERIFY_SPLIT_CHUNKS, len(split)))
     records = target.retrieve(sample, ["text", "headings"], with_vectors=True)
     embedded = [
-        sync.embedding_text_for(
-            str((record.payload or {}).get("text", "")),
-            tuple((record.payload or {}).get("headings") or ()),
+        sync.embedder.profile.format_passage(
+            sync.embedding_text_for(
+                str((record.payload or {}).get("text", "")),
+                tuple((record.payload or {}).get("headings") or ()),
+            )
         )
         for record in records
     ]
-    vectors = sync.embedder.embed_raw(
-        [sync.embedder.profile.format_passage(text) for text in embedded]
-    )
+    part_fields = ["text", "headings", "split_of", "part_index", "part_chars"]
+    for key in chosen:
+        parts = sorted(
+            target.retrieve(split[key], part_fields, with_vectors=True),
+            key=lambda record: int((record.payload or {}).get("part_index") or 0),
+        )
+        texts = _part_texts(sync, parts)
+        if texts is not None:
+            records.extend(parts)
+            embedded.extend(sync.embedder.profile.format_passage(text) for text in texts)
+    if not records:
+        return 0, None
+    vectors = sync.embedder.embed_raw(embedded)
     lowest = min(
         cosine(record.vector, vector)  # type: ignore[arg-type]
         for record, vector in zip(records, vectors, strict=True)
@@ -223,6 +244,23 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
     return len(records), lowest
 
 
+def _part_texts(sync: IndexSync, parts: Sequence[models.Record]) -> list[str] | None:
+    """What each part of a split chunk embedded: its slice of the chunk's embedded text
+    (the parts' texts, in order, make the chunk's; ``part_chars`` say where each cut
+    fell). None when the parts are not all there."""
+    payloads = [record.payload or {} for record in parts]
+    if [p.get("part_index") for p in payloads] != list(range(len(payloads))):
+        return None
+    chunk_text = "".join(str(p.get("text", "")) for p in payloads)
+    embedded = sync.embedding_text_for(chunk_text, tuple(payloads[0].get("headings") or ()))
+    texts, offset = [], 0
+    for payload in payloads:
+        chars = int(payload.get("part_chars") or 0)
+        texts.append(embedded[offset : offset + chars])
+        offset += chars
+    return texts if offset == len(embedded) else None
+
+
 def reindex(
     store: VectorStore,
     make_sync: Callable[[VectorStore], IndexSync],
@@ -234,6 +272,7 @@ def reindex(
     gate: Callable[[], dict[str, Any]] | None = None,
     progress: Callable[[str], None] = lambda message: None,
     force: bool = False,
+    min_canary_cosine: float = 0.999,
 ) -> ReindexReport:
     """Rebuild the alias's collection with the live model and switch to it when it checks out.
 
@@ -241,7 +280,9 @@ def reindex(
     evaluation) runs before the switch; it raises Refused to stop it. A new
     collection that lacks more than ``max_delete_fraction`` of the documents the
     alias serves (``--from-source`` given only some of the sources, or the
-    wrong globs) is not switched to unless ``allow_mass_delete``.
+    wrong globs) is not switched to unless ``allow_mass_delete``. A rebuild that
+    would only copy what the alias serves (same model, serving, canary within
+    ``min_canary_cosine`` and chunk settings) is refused unless ``force``.
     """
     previous = store.alias_target()
     if previous is None and not from_source:
@@ -269,7 +310,7 @@ def reindex(
             chunking = index_settings(recorded, probe.embed_headings)
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
         if not force:
-            _refuse_identical(store, previous, live, chunking)
+            _refuse_identical(store, previous, live, chunking, min_canary_cosine)
     physical = store.create_physical(live, chunking, extra_metadata={META_BUILD: BUILDING})
     target = store.view(physical)
     gate_refused = False
@@ -406,6 +447,11 @@ def _build(
             f"{skipped[0].error})"
         )
     report.verified_sample, report.min_sample_cosine = verify(target, sync, report.points)
+    if report.points and not report.verified_sample:
+        report.notes.append(
+            "no point could be re-embedded to check the new collection (no whole chunk, and "
+            "no split chunk with all its parts marked); only its point count was checked"
+        )
     return report
 
 
@@ -479,7 +525,11 @@ def _guard_lost_documents(
 
 
 def _refuse_identical(
-    store: VectorStore, previous: str, live: Fingerprint, chunking: Mapping[str, Any]
+    store: VectorStore,
+    previous: str,
+    live: Fingerprint,
+    chunking: Mapping[str, Any],
+    min_canary_cosine: float,
 ) -> None:
     """Refuse a rebuild of the stored chunks that would copy ``previous`` as it is: the
     same model served the same way, the same chunk settings. The copy would also push
@@ -489,6 +539,9 @@ def _refuse_identical(
         stored is None
         or stored.model_key != live.model_key
         or stored.serving != live.serving
+        # The service says it is the same model but embeds otherwise (an image re-pulled
+        # under the same tag): the rebuild is what the canary refusal asked for.
+        or cosine(stored.canary, live.canary) < min_canary_cosine
         or dict(store.metadata(previous).get(META_CHUNKING) or {}) != dict(chunking)
     ):
         return
