@@ -3,7 +3,7 @@ two seeds model a model change; another reported version models an engine change
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import (
+    ConfigError,
     FingerprintMismatch,
     MassDeleteRefused,
     Refused,
@@ -228,6 +229,33 @@ def test_a_reindex_that_splits_chunks_checks_their_parts_too(
         )
         with pytest.raises(StoreError, match="re-embeds with cosine"):
             verify(index.store, index.sync(short.url), index.store.count())
+
+
+def test_a_physical_collection_given_for_the_alias_is_named_as_such(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    # Operator trial: `-c <a collection quarry collections lists>` said "does not
+    # exist" (query, reindex, rollback) or "invalid setting: already exists".
+    index.ingest(old_model.url)
+    physical = index.store.alias_target()
+    assert physical is not None
+    view = VectorStore(index.store.client, physical)
+    hint = rf"{physical}' is a collection, not an alias.*--collection kb"
+    calls: list[Callable[[], object]] = [
+        view.count,
+        lambda: Searcher(view, index.embedder(old_model.url), None).search("x", rerank=False),
+        lambda: reindex(view, lambda store: index.sync(old_model.url, store)),
+        lambda: reindex(
+            view,
+            lambda store: index.sync(old_model.url, store),
+            from_source=[open_source(index.corpus)],
+        ),
+        lambda: rollback(view),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=hint):
+            call()
+    assert {info.name for info in index.store.collections()} == {physical}
 
 
 def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(

@@ -285,6 +285,8 @@ def reindex(
     ``min_canary_cosine`` and chunk settings) is refused unless ``force``.
     """
     previous = store.alias_target()
+    if previous is None:
+        store.refuse_a_collection_name()
     if previous is None and not from_source:
         raise StoreError(store.alias, "does not exist; nothing to reindex (use --from-source PATH)")
     # What the alias serves, read once: the collection does not change while a
@@ -589,6 +591,7 @@ def rollback(store: VectorStore) -> tuple[str, str]:
     """Point the alias back at the collection it served before the last reindex."""
     current = store.alias_target()
     if current is None:
+        store.refuse_a_collection_name()
         raise StoreError(store.alias, "does not exist; nothing to roll back")
     previous = store.metadata(current).get(META_PREVIOUS)
     if not previous:

@@ -391,13 +391,7 @@ class VectorStore:
         ConfigError when the alias's name is taken by a collection (a physical
         collection's name given as the alias): nothing is created.
         """
-        if self.client.collection_exists(self.alias):
-            owner = self.alias.split("__", 1)[0]
-            hint = f"; pass its alias (--collection {owner})" if owner != self.alias else ""
-            raise ConfigError(
-                f"{self.alias!r} is a collection, not an alias: quarry reads and writes "
-                f"through an alias (--collection or QUARRY_COLLECTION){hint}"
-            )
+        self.refuse_a_collection_name()
         physical = self.create_physical(fingerprint, chunking)
         try:
             self.point_alias(physical)
@@ -457,9 +451,22 @@ class VectorStore:
             raise StoreError(self.alias, f"{physical} is what the alias serves; not deleting it")
         self.client.delete_collection(physical)
 
+    def refuse_a_collection_name(self) -> None:
+        """ConfigError when the alias's name is a physical collection's, not an alias's
+        (a build that ``quarry collections`` lists, given as ``--collection``)."""
+        if self.pinned is None and self.client.collection_exists(self.alias):
+            owner = self.alias.split("__", 1)[0]
+            hint = f"; pass its alias (--collection {owner})" if owner != self.alias else ""
+            raise ConfigError(
+                f"{self.alias!r} is a collection, not an alias: quarry reads and writes "
+                f"through an alias (--collection or QUARRY_COLLECTION){hint}; "
+                f"`quarry status --collection {self.alias}` shows it"
+            )
+
     def _require(self) -> str:
         physical = self.resolve()
         if physical is None:
+            self.refuse_a_collection_name()
             raise StoreError(self.alias, "does not exist yet; run `quarry ingest PATH` first")
         return physical
 
