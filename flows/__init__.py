@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -78,6 +79,7 @@ def embedded_flow_runs(
             temporary_settings(updates={"flows.heartbeat_frequency": None}),
             _stop_on_signals(interrupted, clean_up_s, on_stop),
         ):
+            _reap_the_embedded_server_when_gone()
             yield
 
 
@@ -191,6 +193,54 @@ def _flush_prefect_logs() -> None:
         APILogWorker.drain_all(timeout=5)
     except Exception:  # the exit goes ahead: the server already knows the run crashed
         pass
+
+
+# Run by a child of its own session (a terminal's Ctrl-C does not reach it): it reads
+# its stdin until the process that started it is gone, however it went (SIGKILL, the
+# OOM killer), then stops that process's Prefect server if it is still the one running.
+_REAPER = """
+import os, signal, sys
+pid, port = int(sys.argv[1]), sys.argv[2].encode()
+sys.stdin.buffer.read()
+try:
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        argv = handle.read().split(b"\\0")
+except OSError:
+    sys.exit(0)
+if b"prefect.server.api.server:create_app" in argv and port in argv:
+    os.kill(pid, signal.SIGTERM)
+"""
+
+
+def _reap_the_embedded_server_when_gone() -> None:
+    """Start Prefect's temporary server now, and a reaper that stops it if this process
+    dies without stopping it (a ``kill -9`` or an OOM kill spares atexit and signal
+    handlers, and the orphaned server ran on for good, one more each such night).
+
+    Prefect starts the same server (one per process) on a flow's first call anyway;
+    started here, its process id is known before any flow runs. Linux only (``/proc``
+    tells the reaper that the pid is still the server's): elsewhere nothing is reaped.
+    """
+    if not Path("/proc/self/cmdline").exists():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    process = server.server_process
+    if process is None or process.poll() is not None or process.pid in _REAPERS:
+        return
+    _REAPERS[process.pid] = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _REAPER, str(process.pid), str(server.port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+# The reapers' pipes, held open for the life of this process (their end is its end).
+_REAPERS: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def _stop_embedded_prefect_server() -> None:
