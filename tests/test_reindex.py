@@ -258,6 +258,35 @@ def test_a_physical_collection_given_for_the_alias_is_named_as_such(
     assert {info.name for info in index.store.collections()} == {physical}
 
 
+def test_rollback_to_a_named_collection_undoes_a_rollback(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    # Operator trial: after a rollback the complete new collection was still there, but
+    # the only way back to it was a third build.
+    index.ingest(old_model.url)
+    first = index.store.alias_target()
+    built = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert rollback(index.store) == (built.collection, first)
+    with pytest.raises(StoreError, match=r"nothing to roll back to .*rollback --to NAME"):
+        rollback(index.store)
+    assert rollback(index.store, to=built.collection) == (first, built.collection)
+    assert index.store.alias_target() == built.collection
+    index.ingest(new_model.url)  # served again, by the model that built it
+    assert rollback(index.store) == (built.collection, first)  # and back, as before
+
+    def refuse() -> dict[str, Any]:
+        raise Refused("not good enough")
+
+    with pytest.raises(Refused):
+        reindex(index.store, lambda store: index.sync(new_model.url, store), gate=refuse)
+    kept = next(i.name for i in index.store.collections() if i.metadata.get(META_BUILD) == REFUSED)
+    with pytest.raises(StoreError, match="never switched to"):
+        rollback(index.store, to=kept)
+    with pytest.raises(StoreError, match="not one of its collections"):
+        rollback(index.store, to="kb__000000000000__20200101000000")
+    assert index.store.alias_target() == first
+
+
 def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(
     index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
 ) -> None:

@@ -621,8 +621,20 @@ def reindex(
 
 
 @app.command()
-def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> None:
-    """Point the alias back at the collection it served before the last reindex."""
+def rollback(
+    collection: CollectionOption = None,
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to",
+            help="Point the alias at this collection of its own instead (one `quarry "
+            "collections` lists, not an unfinished build): undoes a rollback.",
+        ),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Point the alias back at the collection it served before the last reindex (or --to
+    another of its collections)."""
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from flows.ingest import one_writer
@@ -632,7 +644,7 @@ def rollback(collection: CollectionOption = None, as_json: JsonFlag = False) -> 
         with one_writer(settings, settings.collection, wait=False):
             store = VectorStore(open_client(settings), settings.collection)
             try:
-                current, previous = roll_back(store)
+                current, previous = roll_back(store, to)
                 built_by = store.fingerprint(previous)
             finally:
                 store.close()

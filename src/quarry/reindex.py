@@ -587,21 +587,40 @@ def _refuse_lost(
     )
 
 
-def rollback(store: VectorStore) -> tuple[str, str]:
-    """Point the alias back at the collection it served before the last reindex."""
+def rollback(store: VectorStore, to: str | None = None) -> tuple[str, str]:
+    """Point the alias back at the collection it served before the last reindex, or at
+    ``to``, another complete collection of the alias (undoing a rollback). Returns
+    (the collection it served, the one it serves now)."""
     current = store.alias_target()
     if current is None:
         store.refuse_a_collection_name()
         raise StoreError(store.alias, "does not exist; nothing to roll back")
+    known = {info.name: info for info in store.collections()}
+    if to is not None:
+        info = known.get(to)
+        if info is None:
+            raise StoreError(
+                store.alias, f"{to} is not one of its collections (`quarry collections` lists them)"
+            )
+        if unfinished(info):
+            raise StoreError(
+                store.alias,
+                f"{to} is a reindex's build that was never switched to "
+                f"({info.metadata.get(META_BUILD)}): it may be incomplete, so the alias "
+                "does not move to it",
+            )
+        if to != current:
+            store.point_alias(to)
+        return current, to
     previous = store.metadata(current).get(META_PREVIOUS)
     if not previous:
         raise StoreError(
             store.alias,
             f"{current} was not built by a reindex over another collection; nothing to "
-            "roll back to",
+            "roll back to (`quarry rollback --to NAME` points the alias at another of its "
+            "collections, which `quarry collections` lists)",
         )
-    names = {info.name for info in store.collections()}
-    if previous not in names:
+    if previous not in known:
         raise StoreError(
             store.alias,
             f"{current} was built over {previous}, which no longer exists (pruned); "
