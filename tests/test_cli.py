@@ -319,6 +319,33 @@ def test_parity_gives_key_protected_candidates_the_services_key(
     assert report["rerank"]["top1_agreement"] == 1.0
 
 
+def test_status_shows_a_serving_stack_that_parity_accepted(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    # Operator trial: after `parity --accept` queries served by the new engine worked,
+    # but nothing showed that it was accepted, or when.
+    live_config = LocalTEIConfig(backend="hash", dims=16)
+    candidate_config = LocalTEIConfig(backend="hash", dims=16, engine_version="1.9.4")
+    with LocalTEIServer(live_config) as live, LocalTEIServer(candidate_config) as candidate:
+        env = {
+            "QUARRY_DATA_DIR": str(tmp_path / "d"),
+            "QUARRY_EMBED_URL": live.url,
+            "PREFECT_API_URL": prefect_api,
+        }
+        corpus = write_corpus(tmp_path / "kb", {"a.md": "alpha beta", "b.md": "gamma delta"})
+        assert run(["ingest", str(corpus)], env).returncode == 0
+        before = json.loads(run(["status", "--json"], env).stdout)
+        assert before["accepted_serving"] == []
+        args = ["parity", "--candidate-embed-url", candidate.url, "--sample", "2", "--accept"]
+        assert run(args, env).returncode == 0
+        after = json.loads(run(["status", "--json"], env).stdout)
+        text = run(["status"], env).stdout
+    [accepted] = after["accepted_serving"]
+    assert accepted["engine_version"] == "1.9.4" and accepted["accepted_at"]
+    assert after["fingerprint"]["serving"]["engine_version"] == "1.9.3"
+    assert "accepted     tei 1.9.4" in text and "(quarry parity --accept, measured 20" in text
+
+
 def test_a_refusal_with_json_is_a_json_error_on_stdout(tmp_path: Path) -> None:
     result = run(["ingest", str(tmp_path / "nowhere" / "a.md"), "--json"], {}, timeout=120)
     assert result.returncode == 2, result.stderr

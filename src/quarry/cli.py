@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -408,6 +408,34 @@ def chunk(
     _emit(as_json, data, human)
 
 
+def _accepted_serving(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Serving stacks `quarry parity --accept` admitted, each with when it was measured."""
+    from quarry.store import META_ACCEPTED_SERVING, META_PARITY
+
+    measured = {
+        json.dumps(record.get("candidate_serving"), sort_keys=True): record.get("measured_at")
+        for record in metadata.get(META_PARITY) or []
+        if isinstance(record, dict) and record.get("accepted")
+    }
+    return [
+        {**entry, "accepted_at": measured.get(json.dumps(entry, sort_keys=True))}
+        for entry in metadata.get(META_ACCEPTED_SERVING) or []
+        if isinstance(entry, dict)
+    ]
+
+
+def _serving_line(entry: Mapping[str, Any]) -> str:
+    from quarry.fingerprint import ServingIdentity
+
+    limit = entry.get("max_input_length")
+    return ServingIdentity(
+        engine=str(entry.get("engine") or "?"),
+        engine_version=entry.get("engine_version"),
+        dtype=entry.get("dtype"),
+        max_input_length=limit if isinstance(limit, int) else None,
+    ).describe()
+
+
 @app.command()
 def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> None:
     """Show the collection: where the alias points, its size and the model that built it."""
@@ -436,6 +464,7 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
                 )
             fingerprint = store.fingerprint()
             documents = store.index_state()
+            accepted = _accepted_serving(store.metadata())
             data = {
                 "collection": physical,
                 "alias": aliases[0] if aliases else None,
@@ -446,6 +475,7 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
                     1 for doc in documents.values() if not doc.is_complete()
                 ),
                 "fingerprint": fingerprint.to_metadata() if fingerprint else None,
+                "accepted_serving": accepted,
             }
         finally:
             store.close()
@@ -467,6 +497,9 @@ def status(collection: CollectionOption = None, as_json: JsonFlag = False) -> No
         if fingerprint:
             typer.echo(f"model        {fingerprint.model.describe()}")
             typer.echo(f"serving      {fingerprint.serving.describe()}")
+            for entry in accepted:
+                when = f", measured {entry['accepted_at']}" if entry["accepted_at"] else ""
+                typer.echo(f"accepted     {_serving_line(entry)} (quarry parity --accept{when})")
             typer.echo(f"query task   {fingerprint.query_task}")
 
     _emit(as_json, data, human)
