@@ -258,9 +258,17 @@ def test_rollback_names_the_model_the_collection_it_returns_to_needs(
         model = json.loads(back.stdout)["model"]
         assert model["model_id"].startswith("quarry/hash-embedding-16d"), model
         assert run(["reindex"], other_model).returncode == 0
+        listed = run(["collections"], env).stdout  # where a rollback would go, in words
+        [marked] = [line for line in listed.splitlines() if "rollback returns here" in line]
+        assert not marked.startswith("*") and "hash-embedding-16d" in marked, listed
     said = run(["rollback"], env)  # in words too
     assert "built by quarry/hash-embedding-16d" in said.stdout, said.stdout
     assert "serve that model" in said.stdout
+    # And forth again: the collection the rollback left is one --to away.
+    left = said.stdout.splitlines()[0].split(": ", 1)[1].split(" -> ")[0]
+    forth = run(["rollback", "--to", left, "--json"], env)
+    assert forth.returncode == 0, forth.stderr
+    assert json.loads(forth.stdout)["model"]["model_id"].startswith("quarry/hash-embedding-8d")
 
 
 def test_a_query_too_long_for_the_model_is_a_usage_error(

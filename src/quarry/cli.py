@@ -539,16 +539,20 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
         REFUSED: "  [refused by the --min-ndcg gate]",
     }
 
+    live = next((row for row in rows if settings.collection in row["aliases"]), None)
+    back_to = live["previous"] if live is not None else None
+
     def human() -> None:
         if not rows:
             typer.echo(f"no collections for alias {settings.collection!r}")
         for row in rows:
             model = (row["fingerprint"] or {}).get("model", {})
-            serving = "*" if settings.collection in row["aliases"] else " "
+            serving = "*" if row is live else " "
             typer.echo(
                 f"{serving} {row['name']}  {row['points']} points  "
                 f"{model.get('model_id', '?')} ({model.get('dimensions', '?')}d)"
                 + notes.get(row["build"], "")
+                + ("  [quarry rollback returns here]" if row["name"] == back_to else "")
             )
 
     _emit(as_json, {"alias": settings.collection, "collections": rows}, human)
