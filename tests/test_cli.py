@@ -212,6 +212,7 @@ def test_ingest_query_status_round_trip(
     assert status["alias"] == "quarry"
     assert status["documents"] == 2 and status["documents_incomplete"] == 0
     assert status["fingerprint"]["model"]["dimensions"] == 16
+    assert json.loads(run(["--json", "status"], env).stdout) == status  # the flag first
     # The physical collection named directly reads the same (a candidate, a rollback target).
     by_name = run(["status", "--json", "--collection", status["collection"]], env)
     assert by_name.returncode == 0, by_name.stderr
@@ -370,6 +371,8 @@ def test_an_option_parser_error_with_json_is_a_json_usage_error_on_stdout(
         ("ingest", "--json", "--no-such-flag"): "--no-such-flag",
         ("query", "--json"): "Missing argument",
         ("chunk", str(tmp_path / "a.md"), "--json", "--max-tokens", "many"): "--max-tokens",
+        # Before the command, --json is the command's: the error names the bad flag.
+        ("--json", "status", "--bogus"): "--bogus",
     }
     for args, said in cases.items():
         result = run(list(args), env, timeout=120)

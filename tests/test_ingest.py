@@ -434,8 +434,9 @@ def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:
     for name in ("alpha.md", "beta.md", "notes/gamma.txt"):
         (harness.root / name).unlink()
     before = harness.points()
-    with pytest.raises(MassDeleteRefused, match="allow-mass-delete"):
+    with pytest.raises(MassDeleteRefused, match="allow-mass-delete") as refused:
         harness.run()
+    assert "was read, embedded or deleted" in str(refused.value)  # says nothing was done
     assert harness.points().keys() == before.keys()
     assert harness.run(allow_mass_delete=True).documents_deleted == 3
 

@@ -603,10 +603,15 @@ def test_a_reindex_whose_embedding_service_fails_leaves_no_collection(
             if message.startswith("building"):
                 going.stop()  # after the new collection was created
 
-        with pytest.raises(ServiceError):
+        with pytest.raises(ServiceError) as failed:
             reindex(index.store, lambda store: index.sync(going.url, store), progress=goes_away)
     assert index.store.alias_target() == served
     assert [info.name for info in index.store.collections()] == [served]
+    # The error says so (operator trial: it named the service and the document only).
+    assert failed.value.__notes__ == [
+        f"the alias 'kb' was not switched; it still serves {served}, and the unfinished "
+        "collection was dropped: run the reindex again"
+    ]
 
 
 def test_reindex_refuses_when_a_folder_with_served_documents_cannot_be_listed(

@@ -105,11 +105,11 @@ def _errors_to_exit_codes() -> Iterator[None]:
     except SourceNotFound as error:
         _fail(str(error), EXIT_USAGE)
     except Refused as error:
-        _fail(f"refused: {error}", EXIT_REFUSED)
+        _fail(f"refused: {_with_notes(error)}", EXIT_REFUSED)
     except ConfigError as error:
-        _fail(str(error), EXIT_USAGE)
+        _fail(_with_notes(error), EXIT_USAGE)
     except QuarryError as error:
-        _fail(str(error), EXIT_FAILED)
+        _fail(_with_notes(error), EXIT_FAILED)
     except ValidationError as error:  # settings read again inside a flow
         _fail(f"invalid setting: {describe_invalid(error)}", EXIT_USAGE)
     except ValueError as error:
@@ -119,6 +119,12 @@ def _errors_to_exit_codes() -> Iterator[None]:
         if _stop_reported:  # an ingest or reindex already did
             raise
         _fail("interrupted", 130)
+
+
+def _with_notes(error: BaseException) -> str:
+    """The error's message and what was noted on its way up (``add_note``): a build
+    dropped, or one that could not be)."""
+    return "; ".join([str(error), *getattr(error, "__notes__", ())])
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -881,6 +887,10 @@ def main() -> None:
     """Console-script entry point."""
     global _json_errors
     arguments = sys.argv[1:]
+    if arguments[:1] == ["--json"] and len(arguments) > 1 and not arguments[1].startswith("-"):
+        # `quarry --json status`: the flag is the command's, wherever it is written.
+        arguments = [arguments[1], "--json", *arguments[2:]]
+        sys.argv[1:] = arguments
     options = arguments[: arguments.index("--")] if "--" in arguments else arguments
     _json_errors = any(a == "--json" or a.startswith("--json=") for a in options)
     try:

@@ -372,7 +372,14 @@ class IndexSync:
         if full_sync and files:
             found, unlisted = listing.still_there()
             gone = sum(1 for uri in files if uri not in found and not uri.startswith(unlisted))
-            self._guard_deletes(spec, gone, len(files), allow_mass_delete, unit="files")
+            self._guard_deletes(
+                spec,
+                gone,
+                len(files),
+                allow_mass_delete,
+                unit="files",
+                outcome=f" Nothing of source {spec.name!r} was read, embedded or deleted.",
+            )
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
     def plan_documents(self, source: str) -> dict[str, DocState]:
@@ -808,6 +815,7 @@ class IndexSync:
         allow_mass_delete: bool,
         *,
         unit: str = "documents",
+        outcome: str = "",
     ) -> None:
         # A one-file source names the file: its documents going is what was asked for.
         if allow_mass_delete or existing == 0 or deleting == 0 or spec.file is not None:
@@ -819,7 +827,7 @@ class IndexSync:
                 f"indexed from source {spec.name!r} ({fraction:.0%} > "
                 f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
                 "mounted and the glob right? Rerun with --allow-mass-delete (a deployment: "
-                "-p allow_mass_delete=true) if this is intended."
+                f"-p allow_mass_delete=true) if this is intended.{outcome}"
             )
 
     def finish(self, report: IngestReport) -> None:

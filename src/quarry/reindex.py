@@ -356,6 +356,13 @@ def reindex(
         # inspection; an evaluation that broke off refused nothing and is dropped.
         if not gate_refused:
             _drop_build(store, physical, error)
+            if isinstance(error, Exception) and "not switched" not in str(error):
+                # A service that died mid-build, say: whoever reads the error wants this.
+                served_now = f"; it still serves {previous}" if previous else ""
+                error.add_note(
+                    f"the alias {store.alias!r} was not switched{served_now}, and the "
+                    "unfinished collection was dropped: run the reindex again"
+                )
         raise
     report.switched = True
     progress(f"alias {store.alias} -> {physical}")
