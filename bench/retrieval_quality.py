@@ -13,7 +13,8 @@ It prints both, the difference, and the faithfulness target (quarry's vector-onl
 nDCG@10 within 0.01 of the reference). quarry's JSON is saved as
 ``bench/.out/eval-<dataset>.json``, from which ``run_all`` draws the quality plot;
 the comparison goes to ``bench/.out/retrieval_quality.json``. On two cores this
-takes about 20 minutes, most of it embedding the corpus twice on CPU.
+takes about half an hour (27 minutes at a load of 1-2), most of it embedding the
+corpus twice on CPU.
 
     .venv/bin/python bench/retrieval_quality.py [DATASET] [--reference SCRIPT]
 """

@@ -9,7 +9,7 @@ kept in ``bench/.out/<name>.txt``; what it measured, in ``bench/.out/<name>.json
 * embed_saturation and ingest_throughput get tables, targets and plots;
 * retrieval quality comes from ``quarry eval --json`` output saved as
   ``bench/.out/eval-<dataset>.json`` (with and without rerank), which
-  ``bench/retrieval_quality.py`` writes (about 20 minutes: ``--skip
+  ``bench/retrieval_quality.py`` writes (about half an hour: ``--skip
   retrieval_quality`` leaves it out), or a hand-run ``quarry eval``;
 * any other benchmark gets its printed report, verbatim.
 

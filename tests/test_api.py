@@ -1236,6 +1236,22 @@ def test_a_missing_collection_is_a_503_that_says_to_ingest(
     assert_error(app.get("/readyz"), 503, "not_ready")
 
 
+def test_a_physical_collection_set_as_the_alias_is_named_as_such(
+    make_app: AppFactory, template: Path
+) -> None:
+    # Review: the CLI refused it with the alias to pass; the API said to ingest.
+    store = VectorStore(open_client(Settings(data_dir=template, collection="test")), "test")
+    try:
+        physical = store.alias_target()
+    finally:
+        store.close()
+    assert physical is not None
+    app = make_app(collection=physical)
+    error = assert_error(query(app, {"query": "gamma"}), 503, "collection_not_found")
+    assert "is a collection, not an alias" in error["message"]
+    assert "--collection test" in error["message"]
+
+
 def test_a_locked_local_store_stops_startup_with_quarrys_message(
     template: Path, tei: LocalTEIServer, tmp_path: Path
 ) -> None:

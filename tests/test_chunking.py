@@ -296,14 +296,17 @@ def test_an_rst_literal_block_or_directive_that_fits_is_kept_whole_with_its_lead
         for i in range(8)
     )
     intro = " ".join(f"Sentence {i} explains the deploy." for i in range(12))
-    note = ".. note::\n\n   A note body that goes on\n\n   over two paragraphs."
-    text = f"Deploy\n======\n\n{intro}\n\nExample::\n\n{code}\n\n{note}\n\nAfter the note.\n"
-    assert 150 < tiktoken_count(code) < 200
-    chunks = chunks_of(text, 256, 32, "rst")
-    assert any(f"Example::\n\n{code}" in c.text for c in chunks)
-    small = chunks_of(text, 48, 0, "rst")
-    assert any(note in c.text for c in small)
-    assert all(c.headings == ("Deploy",) for c in chunks)
+    for lead_in in ("Example::", ".. code-block:: python"):
+        text = f"Deploy\n======\n\n{intro}\n\n{lead_in}\n\n{code}\n\nAfter the code.\n"
+        assert 150 < tiktoken_count(code) < 200
+        chunks = chunks_of(text, 256, 32, "rst")
+        assert any(f"{lead_in}\n\n{code}" in c.text for c in chunks), lead_in
+        assert all(c.headings == ("Deploy",) for c in chunks)
+    # In a list item the block ends where the item's body goes on, at its text's column
+    # (the structure scan: at these sizes the chunks come out the same either way).
+    item = "- Item text::\n\n      code line\n      more\n\n  Item body goes on.\n\n- Second\n"
+    units = [(e.pos, e.fence) for e in chunking._StructureScanner(item, "rst").events()]
+    assert units == [(0, True), (item.index("  Item body"), False), (item.index("- Second"), False)]
 
 
 def test_a_short_lead_in_ending_with_a_colon_stays_with_its_fence() -> None:

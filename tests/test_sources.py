@@ -373,6 +373,10 @@ def test_html_lists_are_tight_nested_and_numbered_from_their_start() -> None:
     )
     _title, text = html_to_text(f"<html><body><main>{html}</main></body></html>")
     assert text == "Intro\n\n- a\n  - a1\n  - a2\n    4. x\n    5. y\n- b\n\n3. three\n\nAfter.\n"
+    # A start that is no ASCII number counts from 1 (int() refuses "²", isdigit() not).
+    for start in ("²", "x", "-2", "99999999999"):
+        odd = f"<html><body><main><ol start='{start}'><li>one</li></ol></main></body></html>"
+        assert html_to_text(odd)[1] == "1. one\n"
     # Each item is still a unit the chunker may cut before.
     headings = [c.headings for c in Chunker(4, 0).chunk_text(text)]
     assert headings and all(h == () for h in headings)
@@ -414,6 +418,10 @@ def test_markdown_titles_skip_front_matter_lists_and_fences(markdown: str, title
         ("Dockerfile.dev", "text/x-dockerfile"),
         ("Makefile", "text/x-makefile"),
         ("CMakeLists.txt", "text/x-cmake"),
+        ("Makefile.am", "text/x-makefile"),
+        (".env", "text/x-config"),
+        (".env.local", "text/x-config"),
+        ("prod.env", "text/x-config"),
         ("notes.txt", "text/plain"),
         ("makefile.txt", "text/plain"),
     ],
@@ -515,6 +523,24 @@ def test_cp1252_symbols_are_not_read_as_a_dos_code_page_or_latin1_controls(
     [doc] = load_document(tmp_path / "prices.txt", open_source(tmp_path))
     assert doc.text == text
     assert doc.metadata["encoding"] == "cp1252"
+
+
+@pytest.mark.parametrize(
+    ("text", "encoding"),
+    [
+        ("Résumé: naïve façade, élève très sûr.\n", "cp437"),
+        ("Crème brûlée and café au lait, très bien.", "cp850"),
+        ("Ça marche, déjà vu à côté.", "cp437"),
+    ],
+)
+def test_dos_code_page_text_with_accented_letters_is_not_taken_for_cp1252(
+    tmp_path: Path, text: str, encoding: str
+) -> None:
+    # Review: read as cp1252, these are "R‚sum‚" and "CrŠme br–l‚e"; a byte of 0x80-0x9F
+    # inside a word is a DOS letter, not cp1252's punctuation.
+    (tmp_path / "dos.txt").write_bytes(text.encode(encoding))
+    [doc] = load_document(tmp_path / "dos.txt", open_source(tmp_path))
+    assert doc.text == text
 
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])

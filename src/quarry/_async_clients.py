@@ -657,6 +657,10 @@ class ThreadedLocalQdrant:
         """Every collection."""
         return await self._run(self._client.get_collections)
 
+    async def collection_exists(self, collection_name: str) -> bool:
+        """Whether a collection (not an alias) of that name exists."""
+        return await self._run(self._client.collection_exists, collection_name)
+
     async def count(self, collection_name: str, *, exact: bool = True) -> models.CountResult:
         """How many points a collection holds."""
         return await self._run(self._client.count, collection_name, exact=exact)
@@ -729,6 +733,10 @@ class AsyncStore:
             if alias.alias_name == self.alias:
                 return alias.collection_name
         return None
+
+    async def names_a_collection(self) -> bool:
+        """Whether the alias's name is a physical collection's (set by mistake)."""
+        return bool(await self.client.collection_exists(self.alias))
 
     async def metadata(self, physical: str) -> dict[str, Any]:
         """A physical collection's metadata (empty when it has none)."""

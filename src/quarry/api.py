@@ -105,6 +105,7 @@ from quarry.services import (
     retry_policy,
     start_local_tei_if_needed,
 )
+from quarry.store import not_an_alias
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -1026,10 +1027,13 @@ class QueryService:
     async def _stored(self) -> _Stored:
         physical = await self._call(_QDRANT, self.store.resolve())
         if physical is None:
+            misnamed = await self._call(_QDRANT, self.store.names_a_collection())
+            alias = self.store.alias
+            missing = f"collection {alias!r} does not exist yet; run `quarry ingest PATH`"
             raise ApiError(
                 503,
                 "collection_not_found",
-                f"collection {self.store.alias!r} does not exist yet; run `quarry ingest PATH`",
+                not_an_alias(alias) if misnamed else missing,
                 dependency=_QDRANT,
             )
         metadata, size = await self._call(_QDRANT, self.store.describe(physical))

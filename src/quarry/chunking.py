@@ -349,6 +349,7 @@ _LEAD_IN_MAX_CHARS = 400
 _FENCE_LINE = re.compile(r"[ ]{0,3}(?:`{3,}|~{3,})")
 # What starts a line that continues a block of code rather than ending it.
 _INDENTED = frozenset(" \t}])")
+_RST_ITEM = re.compile(r"[ \t]*(?:[-*+•‣▪]|\d{1,9}[.)]|#\.)[ \t]+")
 _RST_DIRECTIVE = re.compile(r"[ \t]*\.\.[ \t]+[\w:.+-]+::")
 
 
@@ -494,7 +495,9 @@ class _StructureScanner:
         if _RST_DIRECTIVE.match(first):
             reference = _indent(first)
         elif last.rstrip().endswith("::"):
-            reference = _indent(last)
+            # In a list item the block belongs to the item's body, at its text's column.
+            item = _RST_ITEM.match(last) if last_start == para else None
+            reference = item.end() if item else _indent(last)
         else:
             return None
         if after >= len(text) or _indent(text[after : _line_end(text, after)]) <= reference:

@@ -197,13 +197,15 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
             f"{expected_points}; the alias was not switched and the collection is dropped",
         )
     whole: list[str] = []
-    split: dict[str, list[str]] = collections.defaultdict(list)
-    for record in target.scroll(fields=["token_count", "split_of"]):
+    # By document too: a chunk repeated in two documents (a licence) has one split key.
+    split: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+    for record in target.scroll(fields=["token_count", "split_of", "doc_id"]):
         payload = record.payload or {}
         if payload.get("token_count") is not None:
             whole.append(str(record.id))
         elif payload.get("split_of") is not None:  # parts written before marks: no way back
-            split[str(payload["split_of"])].append(str(record.id))
+            key = (str(payload.get("doc_id")), str(payload["split_of"]))
+            split[key].append(str(record.id))
     rng = random.Random(0)
     sample = rng.sample(whole, min(VERIFY_SAMPLE, len(whole)))
     chosen = rng.sample(sorted(split), min(VERIFY_SPLIT_CHUNKS, len(split)))
@@ -217,12 +219,15 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
         )
         for record in records
     ]
-    part_fields = ["text", "headings", "split_of", "part_index", "part_chars"]
+    part_fields = ["text", "headings", "chunk_index", "part_index", "part_chars"]
     for key in chosen:
-        parts = sorted(
+        found = sorted(
             target.retrieve(split[key], part_fields, with_vectors=True),
-            key=lambda record: int((record.payload or {}).get("part_index") or 0),
+            key=lambda record: int((record.payload or {}).get("chunk_index") or 0),
         )
+        # The first copy's parts, when a document holds the same chunk twice.
+        later = [i for i, r in enumerate(found) if i and (r.payload or {}).get("part_index") == 0]
+        parts = found[: later[0]] if later else found
         texts = _part_texts(sync, parts)
         if texts is not None:
             records.extend(parts)

@@ -112,8 +112,8 @@ _CONTENT_TYPES: dict[str, str] = {
     ".ini": "text/x-ini",
     ".cfg": "text/x-config",
     ".conf": "text/x-config",
-    ".properties": "text/x-java-properties",
     ".env": "text/x-config",
+    ".properties": "text/x-java-properties",
     ".xml": "text/xml",
     ".csv": "text/csv",
     ".tsv": "text/tab-separated-values",
@@ -157,6 +157,8 @@ _NAMED_CONTENT_TYPES: dict[str, str] = {
     "containerfile": "text/x-dockerfile",
     "makefile": "text/x-makefile",
     "gnumakefile": "text/x-makefile",
+    "makefile.am": "text/x-makefile",
+    "makefile.in": "text/x-makefile",
     "cmakelists.txt": "text/x-cmake",
     "jenkinsfile": "text/x-groovy",
     "gemfile": "text/x-ruby",
@@ -183,6 +185,9 @@ _MULTIBYTE = re.compile(r"big5|cp9[345]\d|gb|euc|hz|iso2022|johab|shift_jis|utf_
 # DOS and classic Mac code pages: detection picks them for a cp1252 file with a few
 # symbols (a "\x80" euro sign reads as cp437's "Ç"), and they are rarely what a file is.
 _DOS_OR_MAC = re.compile(r"cp(?:437|7\d\d|8[5-6]\d)$|mac_")
+# A byte of 0x80-0x9F between two letters: a DOS code page's accented letter (cp437's
+# "R\x82sum\x82"), where cp1252 has punctuation there; but for ’ (don’t), œ, š and ž.
+_INSIDE_WORDS = re.compile(rb"[A-Za-z][\x80-\x91\x93-\x99\x9b\x9d\x9f][A-Za-z]")
 # Latin-1's C1 controls: text never means them; in cp1252 they are “quotes”, dashes, €.
 _C1_BYTES = re.compile(rb"[\x80-\x9f]")
 _BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
@@ -625,6 +630,8 @@ def _content_type(path: Path) -> str:
         return _NAMED_CONTENT_TYPES[name]
     if name.startswith(("dockerfile.", "containerfile.")):  # Dockerfile.dev
         return "text/x-dockerfile"
+    if name == ".env" or name.startswith(".env."):  # no suffix to go by: .env, .env.local
+        return "text/x-config"
     return _CONTENT_TYPES.get(path.suffix.lower(), _TEXT_FALLBACK)
 
 
@@ -760,9 +767,10 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
             encoding = _PREFERRED
             break
     if not wide_bom and encoding != _PREFERRED:
-        if (_MULTIBYTE.match(encoding) or _DOS_OR_MAC.match(encoding)) and _mostly_ascii_western(
-            data
-        ):
+        if (
+            _MULTIBYTE.match(encoding)
+            or (_DOS_OR_MAC.match(encoding) and not _INSIDE_WORDS.search(data))
+        ) and _mostly_ascii_western(data):
             encoding = _PREFERRED
         elif encoding == "latin_1" and _C1_BYTES.search(data) and _decodes(data, _PREFERRED):
             encoding = _PREFERRED  # as browsers read a page labelled ISO-8859-1 (WHATWG)
@@ -1338,10 +1346,13 @@ def _dropped(node: Any) -> bool:
     return bool(classes) and not _DROP_CLASSES.isdisjoint(classes.split())
 
 
+_OL_START = re.compile(r"\s*([0-9]{1,9})\s*")  # ASCII digits: int() refuses "²", isdigit() not
+
+
 def _list_start(node: Any) -> int:
     """The number of an ``<ol>``'s first item (its ``start``, else 1)."""
-    start = (node.attributes or {}).get("start") or ""
-    return int(start) if start.strip().isdigit() and len(start) < 10 else 1
+    found = _OL_START.fullmatch((node.attributes or {}).get("start") or "")
+    return int(found.group(1)) if found else 1
 
 
 def _classes(node: Any) -> set[str]:

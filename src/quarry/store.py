@@ -283,6 +283,17 @@ def physical_name(alias: str, model_key: str, when: datetime | None = None) -> s
     return f"{alias}__{model_key}__{stamp}"
 
 
+def not_an_alias(name: str) -> str:
+    """What is wrong when ``name``, given as the alias, is a physical collection's name."""
+    owner = name.split("__", 1)[0]
+    hint = f"; pass its alias (--collection {owner})" if owner != name else ""
+    return (
+        f"{name!r} is a collection, not an alias: quarry reads and writes through an "
+        f"alias (--collection or QUARRY_COLLECTION){hint}; "
+        f"`quarry status --collection {name}` shows it"
+    )
+
+
 class VectorStore:
     """One alias in Qdrant and the physical collection it points at."""
 
@@ -455,13 +466,7 @@ class VectorStore:
         """ConfigError when the alias's name is a physical collection's, not an alias's
         (a build that ``quarry collections`` lists, given as ``--collection``)."""
         if self.pinned is None and self.client.collection_exists(self.alias):
-            owner = self.alias.split("__", 1)[0]
-            hint = f"; pass its alias (--collection {owner})" if owner != self.alias else ""
-            raise ConfigError(
-                f"{self.alias!r} is a collection, not an alias: quarry reads and writes "
-                f"through an alias (--collection or QUARRY_COLLECTION){hint}; "
-                f"`quarry status --collection {self.alias}` shows it"
-            )
+            raise ConfigError(not_an_alias(self.alias))
 
     def _require(self) -> str:
         physical = self.resolve()
