@@ -66,7 +66,7 @@ import importlib
 import itertools
 import re
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -412,13 +412,8 @@ class _StructureScanner:
                     block_end = self._literal_block_end(held.pos, m.start(), after) if rst else None
                     if block_end is not None:
                         # An rst literal block or directive: one unit with its lead-in.
-                        for event in pending:
-                            if event.pos == held.pos:
-                                _merge(held, event)
-                            elif event.pos > held.pos:
-                                yield held
-                                held = event
-                        pending.clear()
+                        if pending:
+                            held = yield from _settle(held, pending)
                         held.fence = True
                         if block_end >= len(text):
                             break
@@ -428,13 +423,7 @@ class _StructureScanner:
                         continue
                     if after > held.pos:
                         if pending:
-                            for event in pending:
-                                if event.pos == held.pos:
-                                    _merge(held, event)
-                                elif event.pos > held.pos:
-                                    yield held
-                                    held = event
-                            pending.clear()
+                            held = yield from _settle(held, pending)
                         if (
                             self.fences_on
                             and _FENCE_LINE.match(text, after)
@@ -453,21 +442,12 @@ class _StructureScanner:
                 if m.start() < resume:
                     continue
                 resume = self._classify(m, m.start() + 1, held, pending)
-                for event in pending:
-                    if event.pos == held.pos:
-                        _merge(held, event)
-                    elif event.pos > held.pos:
-                        yield held
-                        held = event
-                pending.clear()
+                if pending:
+                    held = yield from _settle(held, pending)
                 if resume < 0:
                     break
-        for event in pending:
-            if event.pos == held.pos:
-                _merge(held, event)
-            elif event.pos > held.pos:
-                yield held
-                held = event
+        if pending:
+            held = yield from _settle(held, pending)
         yield held
 
     def _leads_in(self, held: _Event, fence_start: int) -> bool:
@@ -607,6 +587,19 @@ def _coalesce(events: Iterator[_Event], n: int, max_chars: int) -> Iterator[_Eve
         yield current
         current, upcoming = upcoming, after
     yield current
+
+
+def _settle(held: _Event, pending: list[_Event]) -> Generator[_Event, None, _Event]:
+    """Take the events a line produced: one at ``held``'s place merges into it, a later
+    one yields ``held`` and takes its place. Empties ``pending``; returns the new held."""
+    for event in pending:
+        if event.pos == held.pos:
+            _merge(held, event)
+        elif event.pos > held.pos:
+            yield held
+            held = event
+    pending.clear()
+    return held
 
 
 def _merge(into: _Event, other: _Event) -> None:

@@ -1360,6 +1360,17 @@ def _classes(node: Any) -> set[str]:
     return set((attrs.get("class") or "").split()) if attrs else set()
 
 
+def _push_children(stack: list[tuple[Any, bool]], node: Any) -> None:
+    """Push ``node``'s closing mark, then its children, so the first child pops first."""
+    stack.append((node, True))
+    children = []
+    child = node.child
+    while child is not None:
+        children.append(child)
+        child = child.next
+    stack.extend((child, False) for child in reversed(children))
+
+
 def _pre_text(pre: Any) -> str:
     """The text of a ``<pre>`` as it shows: ``<br>`` and block elements inside end lines."""
     parts: list[str] = []
@@ -1381,13 +1392,7 @@ def _pre_text(pre: Any) -> str:
             continue
         if node is not pre and tag in _CELL_BREAKING and parts and not parts[-1].endswith("\n"):
             parts.append("\n")
-        stack.append((node, True))
-        children = []
-        child = node.child
-        while child is not None:
-            children.append(child)
-            child = child.next
-        stack.extend((child, False) for child in reversed(children))
+        _push_children(stack, node)
     return "".join(parts)
 
 
@@ -1492,13 +1497,7 @@ def _render(root: Any, out: _HtmlText, *, page_furniture: bool = False) -> None:
                     lists[-1][1] += 1
                 else:
                     out.prefix = f"{indent}- "
-        stack.append((node, True))
-        children = []
-        child = node.child
-        while child is not None:
-            children.append(child)
-            child = child.next
-        stack.extend((child, False) for child in reversed(children))
+        _push_children(stack, node)
 
 
 def _main_node(tree: Any) -> Any:
