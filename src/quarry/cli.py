@@ -122,8 +122,8 @@ def _errors_to_exit_codes() -> Iterator[None]:
 
 
 def _with_notes(error: BaseException) -> str:
-    """The error's message and what was noted on its way up (``add_note``): a build
-    dropped, or one that could not be)."""
+    """The error's message, then what was noted on it on its way up (``add_note``:
+    the alias was not switched, a build could not be dropped)."""
     return "; ".join([str(error), *getattr(error, "__notes__", ())])
 
 
