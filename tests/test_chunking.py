@@ -346,6 +346,25 @@ def test_a_heading_is_never_left_at_the_end_of_a_chunk() -> None:
         assert not last_line.startswith("#")
 
 
+@pytest.mark.parametrize(("overlap", "steps", "longer"), [(0, 28, 0), (32, 24, 40)])
+def test_a_heading_whose_paragraph_does_not_fit_beside_it_is_not_a_chunk_alone(
+    overlap: int, steps: int, longer: int
+) -> None:
+    # Mixed-documents trial: the heading became a chunk of its own and the paragraph
+    # (one unit: it fits a chunk on its own) the next one. With overlap, it takes a
+    # heading longer than the overlap.
+    para = " ".join(["Intro words that go on for a while here."] * 10)
+    long = " ".join(f"Step {i} configures the service carefully." for i in range(steps))
+    heading = "## Setup and configuration of the production deployment" + " again" * longer
+    text = f"# Guide\n\n{para}\n\n{heading}\n\n{long}\n"
+    assert tiktoken_count(heading) + tiktoken_count(long) > 256
+    assert tiktoken_count(long) <= 256 - overlap
+    chunks = chunks_of(text, 256, overlap)
+    first = next(c for c in chunks if heading in c.text)
+    assert tiktoken_count(first.text) > tiktoken_count(heading) + 32
+    assert "Step 0 configures" in first.text
+
+
 def test_sentences_are_the_cut_inside_a_long_paragraph() -> None:
     sentences = [f"Sentence number {i} says something quite ordinary." for i in range(40)]
     text = " ".join(sentences)

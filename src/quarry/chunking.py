@@ -20,7 +20,8 @@ large file never becomes one big token list:
    to count the pieces. A code fence that fits stays one unit.
 3. **Packing.** Units are packed greedily. When the next unit does not fit,
    the chunk ends at the strongest boundary that keeps it at least half full
-   (never right after a bare heading); a heading ends a chunk that already
+   (never right after a bare heading: when only a heading is pending, the next
+   unit is cut at sentences to fill its chunk); a heading ends a chunk that already
    holds a quarter of ``max_tokens``; a small last piece is merged into (or
    rebalanced with) its neighbour. Each chunk after a non-heading boundary
    starts with up to ``overlap`` tokens of the previous chunk's tail, begun
@@ -87,7 +88,8 @@ ENCODING_NAME = "cl100k_base"
 #    literal blocks and directives are kept whole with their lead-in, as fences are; in
 #    markdown a list item above ``---`` or ``===`` is no heading; a chunk lends the next
 #    at most half of its own tokens as overlap; a short paragraph ending in ":" stays with
-#    the code fence it introduces; rst titles lose their inline markup (:mod:`x` is x).
+#    the code fence it introduces; rst titles lose their inline markup (:mod:`x` is x); a
+#    heading that would end its chunk alone takes the next paragraph's first sentences.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 4
 
@@ -1221,6 +1223,22 @@ class Chunker:
 
     # -- packing -------------------------------------------------------------
 
+    def _split_unit(self, text: str, unit: _Unit, limit: int) -> Iterator[_Unit]:
+        """``unit`` cut at sentences, lines and words into units of at most ``limit`` tokens."""
+        smaller = Chunker(limit, 0)
+        segment = text[unit.start : unit.end]
+        cuts = (SENTENCE, LINE, WORD)
+        ps = pretokenize(segment)
+        if ps is not None:
+            yield from smaller._refine_pieces(
+                segment, unit.start, ps, unit.level, unit.seam, unit.headings, cuts
+            )
+        else:
+            toks = get_encoding().encode_ordinary(segment)
+            yield from smaller._refine(
+                segment, unit.start, toks, unit.level, unit.seam, unit.headings, cuts
+            )
+
     def _pack(self, text: str, markup: Markup) -> Iterator[tuple[int, int, int, tuple[str, ...]]]:
         packer = _Packer(self, text)
         out = packer.out
@@ -1274,6 +1292,18 @@ class _Packer:
                     self.ostart = unit.start
                 self.pend.append(unit)
                 self.pend_tok += unit.ntok
+                return
+            room = self.max - self.ocount - self.pend_tok
+            if (
+                room >= max(self.min, 4)  # a character can take 4 tokens
+                and unit.level > FENCE  # a fence, or what follows one, is kept whole
+                and not unit.heading_only
+                and all(pending.heading_only for pending in self.pend)
+            ):
+                # A heading would end its chunk alone: give it the next unit's first
+                # sentences instead, the rest following as units of their own.
+                for part in self.chunker._split_unit(self.text, unit, room):
+                    self.add(part)
                 return
             self._close(self._best_cut(unit), unit)
 
