@@ -339,6 +339,8 @@ def test_query_is_formatted_with_the_recorded_profile_and_task(
     [
         {"query": ""},
         {"query": "   \n\t"},
+        {"query": "\u0000"},  # API trial: a NUL or a zero-width space was embedded, 200
+        {"query": " \u200b\u200d "},
         {"top_k": 3},
         {"query": "x", "top_k": 0},
         {"query": "x", "top_k": 101},
@@ -974,6 +976,11 @@ def test_embedding_service_down_is_a_503_naming_it(make_app: AppFactory) -> None
     assert error["dependency"] == "embedding service"
     assert answer.headers["retry-after"] == "5"  # EMBED_COOLDOWN_S
     assert dead not in error["message"] and "cannot connect" in error["message"]
+    # Asked within the cooldown, it says how much of it is left (API trial: always 5).
+    time.sleep(2.1)
+    later = query(app, {"query": "gamma"})
+    assert_error(later, 503, "dependency_unavailable")
+    assert 1 <= int(later.headers["retry-after"]) <= 3
     ready = assert_error(app.get("/readyz"), 503, "not_ready")
     assert "embedding" in ready["message"]
     assert app.get("/readyz").json()["checks"]["qdrant"]["ok"] is True

@@ -36,6 +36,7 @@ import logging
 import math
 import re
 import time
+import unicodedata
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
@@ -223,7 +224,11 @@ class QueryFilter(_ClosedBody):
         ),
     )
     doc_ids: list[DocId] | None = Field(
-        None, min_length=1, max_length=1000, description="Only these documents."
+        None,
+        min_length=1,
+        max_length=1000,
+        description="Only these documents: up to 1,000 with a Qdrant server, 100 with "
+        "local-mode Qdrant (which tests every point against every id; a 422 says so).",
     )
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
         None,
@@ -303,7 +308,8 @@ class QueryRequest(_ClosedBody):
     @field_validator("query")
     @classmethod
     def _not_blank(cls, query: str) -> str:
-        if not query.strip():
+        # Nor only controls or format characters (NUL, a zero-width space): nothing to ask.
+        if all(c.isspace() or unicodedata.category(c)[0] == "C" for c in query):
             raise ValueError("must contain something other than whitespace")
         return query
 
@@ -335,7 +341,10 @@ class QueryResponse(BaseModel):
 
     results: list[Passage]
     model: ModelRef
-    reranked: bool = Field(description="False when rerank was off or the reranker was down.")
+    reranked: bool = Field(
+        description="False when rerank was off, no candidate matched (nothing to rerank; "
+        "`warnings` is empty), or the reranker was down (a warning says so)."
+    )
     truncated: bool = Field(description="True when the query was cut to fit (`truncate`).")
     warnings: list[str]
     timings_ms: dict[str, float]
@@ -431,6 +440,14 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
+class _CoolingDown(ServiceUnavailable):
+    """A dependency in its cooldown: not asked, and asked again in ``retry_after_s``."""
+
+    def __init__(self, url: str, message: str, *, status: int | None, retry_after_s: float):
+        super().__init__(url, message, status=status)
+        self.retry_after_s = retry_after_s
+
+
 class _NoAnswer(ServiceUnavailable):
     """A dependency had not answered when the query's time (QUARRY_QUERY_TIMEOUT) ran out."""
 
@@ -456,14 +473,21 @@ def _dependency_down(dependency: str, error: BaseException) -> ApiError:
             f"{dependency} did not answer: {reason}",
             dependency=dependency,
         )
+    # When asking again can help: an embedding service or a reranker that is down is
+    # not asked for its cooldown, so a sooner retry gets the same 503 at once. Busy (429)
+    # or failing on one input (500), it is asked by the next query.
+    if isinstance(error, _CoolingDown):
+        retry_after = error.retry_after_s
+    elif isinstance(error, ServiceUnavailable) and _says_down(error):
+        retry_after = _RETRY_AFTER_S.get(dependency, 1.0)
+    else:
+        retry_after = 1.0
     return ApiError(
         503,
         "dependency_unavailable",
         f"{dependency} unavailable: {reason}",
         dependency=dependency,
-        # When asking again can help: an embedding service or a reranker that failed is
-        # not asked for its cooldown, so a sooner retry gets the same 503 at once.
-        headers={"Retry-After": str(math.ceil(_RETRY_AFTER_S.get(dependency, 1.0)))},
+        headers={"Retry-After": str(max(1, math.ceil(retry_after)))},
     )
 
 
@@ -813,14 +837,17 @@ class _Outage:
                 self._trial_since = now  # this caller asks; one that vanished is replaced
                 return
             detail = "another query is asking it again"
+            left = self.cooldown_s - (now - trial)
         else:
             detail = f"asked again {self.cooldown_s:g}s after that"
+            left = self.cooldown_s - age
         # A new error each time: raising the cached one would grow its traceback (and
         # keep every failed query's locals alive) until the service is back.
-        raise ServiceUnavailable(
+        raise _CoolingDown(
             last[1].url,
             f"failed {age:.1f}s ago ({_reason(last[1])}); {detail}",
             status=last[1].status,
+            retry_after_s=left,
         )
 
     def failed(self, error: ServiceUnavailable) -> None:
