@@ -351,7 +351,6 @@ _LEAD_IN_MAX_CHARS = 400
 _FENCE_LINE = re.compile(r"[ ]{0,3}(?:`{3,}|~{3,})")
 # What starts a line that continues a block of code rather than ending it.
 _INDENTED = frozenset(" \t}])")
-_RST_ITEM = re.compile(r"[ \t]*(?:[-*+•‣▪]|\d{1,9}[.)]|#\.)[ \t]+")
 _RST_DIRECTIVE = re.compile(r"[ \t]*\.\.[ \t]+[\w:.+-]+::")
 
 
@@ -478,8 +477,11 @@ class _StructureScanner:
             reference = _indent(first)
         elif last.rstrip().endswith("::"):
             # In a list item the block belongs to the item's body, at its text's column.
-            item = _RST_ITEM.match(last) if last_start == para else None
-            reference = item.end() if item else _indent(last)
+            item = _LINE.match(last) if last_start == para else None
+            if item is not None and item.lastgroup == "item":
+                reference = item.end()
+            else:
+                reference = _indent(last)
         else:
             return None
         if after >= len(text) or _indent(text[after : _line_end(text, after)]) <= reference:

@@ -590,7 +590,7 @@ class IndexSync:
                 result.chunks_reused += reused
         return result
 
-    def _stored_vectors(self, chunked: Sequence[tuple[Document, list[Chunk]]]) -> _StoredVectors:
+    def _stored_vectors(self, chunked: Sequence[tuple[Document, list[Chunk]]]) -> StoredVectors:
         """The vectors this collection holds for these documents, by the text they embed.
 
         A document written again (edited, or made with other chunk settings) mostly
@@ -606,7 +606,7 @@ class IndexSync:
             if state is not None:
                 ids.extend(point_id(document.doc_id, index) for index in sorted(state.indexes))
         if not ids:
-            return _StoredVectors()
+            return StoredVectors()
         assert self.fingerprint is not None, "prepare() must run first"
         records: list[models.Record] = []
         try:
@@ -615,7 +615,7 @@ class IndexSync:
                 records += self.store.retrieve(page, _REUSE_FIELDS, with_vectors=True)
         except Exception as error:  # an optimisation: without it, everything is embedded
             logger.warning("could not read stored vectors to reuse (%s); embedding all", error)
-            return _StoredVectors()
+            return StoredVectors()
         # The parts of a chunk the service split have no token_count; before that held
         # for every part, the last could look whole (all of the chunk's text, the parts
         # before it only its headings) and holds the vector of a part: it starts where they do.
@@ -624,7 +624,7 @@ class IndexSync:
             for payload in (record.payload or {} for record in records)
             if payload.get("token_count") is None
         }
-        found = _StoredVectors()
+        found = StoredVectors()
         for record in records:
             payload = record.payload or {}
             with_headings = self._headings_by_key.get(payload.get("chunking"))
@@ -856,7 +856,7 @@ def split_key(embedded: str) -> str:
 
 
 @dataclass
-class _StoredVectors:
+class StoredVectors:
     """Vectors a collection holds for the documents of a batch, by the text they embed."""
 
     whole: dict[str, list[float]] = field(default_factory=dict)

@@ -13,11 +13,12 @@ import collections
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from qdrant_client import models
 
 from quarry.documents import Chunk, Document
+from quarry.embeddings import EmbeddedPart
 from quarry.errors import CanaryMismatch, MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
 from quarry.ingest import (
@@ -25,6 +26,7 @@ from quarry.ingest import (
     Failure,
     IndexSync,
     IngestReport,
+    StoredVectors,
     _file_uri,
     chunking_key,
     every,
@@ -209,35 +211,24 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
     rng = random.Random(0)
     sample = rng.sample(whole, min(VERIFY_SAMPLE, len(whole)))
     chosen = rng.sample(sorted(split), min(VERIFY_SPLIT_CHUNKS, len(split)))
-    records = target.retrieve(sample, ["text", "headings"], with_vectors=True)
-    embedded = [
-        sync.embedder.profile.format_passage(
-            sync.embedding_text_for(
-                str((record.payload or {}).get("text", "")),
-                tuple((record.payload or {}).get("headings") or ()),
-            )
-        )
-        for record in records
-    ]
-    part_fields = ["text", "headings", "chunk_index", "part_index", "part_chars"]
+    format_passage = sync.embedder.profile.format_passage
+    # (the stored vector, the text that made it, formatted as it was sent)
+    checks: list[tuple[Sequence[float], str]] = []
+    for record in target.retrieve(sample, ["text", "headings"], with_vectors=True):
+        payload = record.payload or {}
+        headings = tuple(payload.get("headings") or ())
+        text = sync.embedding_text_for(str(payload.get("text", "")), headings)
+        checks.append((cast("Sequence[float]", record.vector), format_passage(text)))
+    part_fields = ["text", "headings", "chunk_index", "split_of", "part_index", "part_chars"]
     for key in chosen:
-        found = sorted(
-            target.retrieve(split[key], part_fields, with_vectors=True),
-            key=lambda record: int((record.payload or {}).get("chunk_index") or 0),
-        )
-        # The first copy's parts, when a document holds the same chunk twice.
-        later = [i for i, r in enumerate(found) if i and (r.payload or {}).get("part_index") == 0]
-        parts = found[: later[0]] if later else found
-        texts = _part_texts(sync, parts)
-        if texts is not None:
-            records.extend(parts)
-            embedded.extend(sync.embedder.profile.format_passage(text) for text in texts)
-    if not records:
+        records = target.retrieve(split[key], part_fields, with_vectors=True)
+        for part in _stored_parts(sync, records):
+            checks.append((part.vector, format_passage(part.text)))
+    if not checks:
         return 0, None
-    vectors = sync.embedder.embed_raw(embedded)
+    vectors = sync.embedder.embed_raw([text for _, text in checks])
     lowest = min(
-        cosine(record.vector, vector)  # type: ignore[arg-type]
-        for record, vector in zip(records, vectors, strict=True)
+        cosine(stored, vector) for (stored, _), vector in zip(checks, vectors, strict=True)
     )
     if lowest < 0.999:
         raise StoreError(
@@ -246,24 +237,25 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
             f"{lowest:.5f} < 0.999; the embedding service is not deterministic or changed "
             "during the reindex; the alias was not switched and the collection is dropped",
         )
-    return len(records), lowest
+    return len(checks), lowest
 
 
-def _part_texts(sync: IndexSync, parts: Sequence[models.Record]) -> list[str] | None:
-    """What each part of a split chunk embedded: its slice of the chunk's embedded text
-    (the parts' texts, in order, make the chunk's; ``part_chars`` say where each cut
-    fell). None when the parts are not all there."""
+def _stored_parts(sync: IndexSync, records: Sequence[models.Record]) -> list[EmbeddedPart]:
+    """The parts of one split chunk, each with the slice of the chunk's embedded text it
+    was embedded from and its stored vector; none when they are not all there."""
+    found = sorted(records, key=lambda record: int((record.payload or {}).get("chunk_index") or 0))
+    # The first copy's parts, when a document holds the same chunk twice.
+    later = [i for i, r in enumerate(found) if i and (r.payload or {}).get("part_index") == 0]
+    parts = found[: later[0]] if later else found
+    if not parts:
+        return []
+    stored = StoredVectors()
+    for record in parts:
+        stored.add_part(record.payload or {}, cast("list[float]", record.vector))
     payloads = [record.payload or {} for record in parts]
-    if [p.get("part_index") for p in payloads] != list(range(len(payloads))):
-        return None
-    chunk_text = "".join(str(p.get("text", "")) for p in payloads)
+    chunk_text = "".join(str(payload.get("text", "")) for payload in payloads)
     embedded = sync.embedding_text_for(chunk_text, tuple(payloads[0].get("headings") or ()))
-    texts, offset = [], 0
-    for payload in payloads:
-        chars = int(payload.get("part_chars") or 0)
-        texts.append(embedded[offset : offset + chars])
-        offset += chars
-    return texts if offset == len(embedded) else None
+    return stored.parts_of(embedded) or []
 
 
 def reindex(
