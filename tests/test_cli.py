@@ -883,3 +883,18 @@ def test_json_equals_value_still_gets_a_json_usage_error() -> None:
     result = run(["status", "--json=1"], {})
     assert result.returncode == 2
     assert json.loads(result.stdout)["error"]["type"] == "usage"
+
+
+def test_every_command_summary_is_one_line() -> None:
+    """`quarry --help` lists each command by its docstring's first paragraph: a line
+    break inside it shows as a broken sentence in the listing."""
+    import typer.main
+
+    from quarry.cli import app
+
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.main.TyperGroup)
+    assert len(group.commands) >= 10
+    for name, command in group.commands.items():
+        summary = (command.help or "").strip().split("\n\n", 1)[0]
+        assert summary and "\n" not in summary, f"quarry {name}: {summary!r}"

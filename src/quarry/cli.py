@@ -676,8 +676,10 @@ def rollback(
     ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Point the alias back at the collection it served before the last reindex (or --to
-    another of its collections)."""
+    """Point the alias back at the collection it served before the last reindex.
+
+    With --to, point it at another of its collections instead (undoing a rollback).
+    """
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from flows.ingest import one_writer
@@ -714,8 +716,10 @@ def prune(
     ] = 2,
     as_json: JsonFlag = False,
 ) -> None:
-    """Delete old physical collections of the alias, keeping KEEP: the live one, then the one
-    `quarry rollback` returns to, then the newest."""
+    """Delete old physical collections of the alias, keeping KEEP of them.
+
+    Kept first: the live one, then the one `quarry rollback` returns to, then the newest.
+    """
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
         from flows.ingest import one_writer
@@ -838,8 +842,10 @@ def api(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
-    """Serve the query API for applications (POST /v1/query, GET /v1/collections, /healthz,
-    /readyz)."""
+    """Serve the query API for applications: POST /v1/query, GET /v1/collections.
+
+    Also GET /healthz (alive) and /readyz (its services reachable, the model right).
+    """
     settings = _settings()
     with _errors_to_exit_codes():
         from quarry.api import serve as serve_api
