@@ -24,6 +24,7 @@ from quarry.sources import (
     discover,
     html_to_text,
     iter_documents,
+    join_hyphenated_lines,
     list_source,
     load_document,
     load_path,
@@ -764,6 +765,46 @@ def test_a_pdf_padded_after_its_end_marker_loads(tmp_path: Path) -> None:
     docs, failures = documents(open_source(tmp_path))
     assert failures == []
     assert "Padded text" in docs[0].text
+
+
+def test_a_pdf_word_broken_at_a_line_end_is_joined(tmp_path: Path) -> None:
+    lines = [
+        "The quarry was an exam-",
+        "ple of stone work, a well-",
+        "known site near Jean-",
+        "Pierre Roux's farm: a well-known place.",
+        "Costs rose 10-",
+        "20 percent in the cen-",
+        "tury's first year.",
+    ]
+    (tmp_path / "broken.pdf").write_bytes(make_pdf(["\n".join(lines)]))
+    [doc], failures = documents(open_source(tmp_path))
+    assert failures == []
+    text = doc.text
+    assert "an example of stone work" in text
+    assert "a well-known site" in text  # written with its hyphen elsewhere in the page
+    assert "Jean-\nPierre" in text  # a capital starts the next line: a name, kept
+    assert "10-\n20" in text  # a range of numbers, kept
+    assert "in the century’s first year" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "joined"),
+    [
+        ("exam-\nple", "example"),
+        ("exam- \n  ple", "example"),
+        ("soft\u00ad\nhyphen", "softhyphen"),
+        ("exam\u2010\nple", "example"),
+        ("a co-\nop and a co-op", "a co-op and a co-op"),
+        ("Jean-\nPierre", "Jean-\nPierre"),
+        ("10-\n20", "10-\n20"),
+        ("ends with-\n", "ends with-\n"),
+        ("a -\nb", "a -\nb"),
+        ("no break-here", "no break-here"),
+    ],
+)
+def test_join_hyphenated_lines(text: str, joined: str) -> None:
+    assert join_hyphenated_lines(text) == joined
 
 
 def _swap_after_the_walk(

@@ -65,8 +65,9 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # keep their lines, table cells their words, paragraph text that reads as markup is escaped;
 # cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes; a
 # page without <main> loses its own banner, footer and sidebars; list items are one line
-# apart, nested ones indented, <ol start> kept.
-LOADER_VERSION = 3
+# apart, nested ones indented, <ol start> kept. 4: PDF words hyphenated at a line end
+# are joined.
+LOADER_VERSION = 4
 
 # Content types by extension. A fixed table, not the mimetypes module: the
 # content type is indexed metadata, so it must not depend on the machine.
@@ -1009,6 +1010,44 @@ def _bomb(what: str, size: int) -> str:
     )
 
 
+# A word broken at a line end by the typesetter: a letter, a hyphen (ASCII, U+2010 or
+# a soft hyphen), the line break, and a letter that starts the next line.
+_LINE_END_HYPHEN = re.compile(r"(?<=[^\W\d_])[-\u2010\u00ad][ \t]*\n[ \t]*(?=[^\W\d_])")
+_WORD_BEFORE = re.compile(r"[^\W\d_]+$")
+_WORD_AFTER = re.compile(r"[^\W\d_]+")
+_HYPHENATED_WORD = re.compile(r"[^\W\d_]+-[^\W\d_]+")
+
+
+def join_hyphenated_lines(text: str) -> str:
+    """``text`` with the words a PDF's line breaks cut in two made whole again.
+
+    ``exam-`` at a line's end and ``ple`` at the next line's start become
+    ``example``, so that search finds the word and the model reads it. The line
+    break goes but the hyphen stays when the text writes the word with a hyphen
+    elsewhere (``well-known``); nothing changes when the next line starts with a
+    capital (``Jean-`` / ``Pierre``) or the hyphen follows a digit (``10-`` / ``20``).
+    A soft hyphen (U+00AD) always goes.
+    """
+    if "\n" not in text:
+        return text
+    hyphenated: set[str] | None = None
+
+    def join(match: re.Match[str]) -> str:
+        nonlocal hyphenated
+        if text[match.start()] == "\u00ad":
+            return ""
+        if not text[match.end()].islower():
+            return match.group()
+        before = _WORD_BEFORE.search(text, 0, match.start())
+        after = _WORD_AFTER.match(text, match.end())
+        assert before is not None and after is not None  # the pattern's lookarounds
+        if hyphenated is None:
+            hyphenated = {word.lower() for word in _HYPHENATED_WORD.findall(text)}
+        return "-" if f"{before.group()}-{after.group()}".lower() in hyphenated else ""
+
+    return _LINE_END_HYPHEN.sub(join, text)
+
+
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
     from pypdf import PdfReader
 
@@ -1048,7 +1087,8 @@ def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Docum
             content += len(stream.get_data()) if stream is not None else 0
             if content > budget:
                 raise _fail(uri, _bomb(f"pages decompress to over {budget} bytes", len(data)))
-            pages.append(normalise_text(page.extract_text(visitor_text=count_text) or ""))
+            text = normalise_text(page.extract_text(visitor_text=count_text) or "")
+            pages.append(join_hyphenated_lines(text))
             if extracted > budget:  # pypdf logs and goes on after an error inside a form
                 raise _TooMuchText
     except _TooMuchText:
