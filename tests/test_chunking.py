@@ -389,6 +389,28 @@ def test_overlap_repeats_the_tail_of_the_previous_chunk() -> None:
         assert starts_at_space or text[after.char_start - 1] == "\n"
 
 
+@pytest.mark.parametrize("counted_by", ["pieces", "encoding"])
+def test_overlap_starts_at_a_line_start_when_one_keeps_half_of_it(
+    counted_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A table's rows, or hard-wrapped lines: an overlap from the last word start
+    # that fits began each chunk with a fragment of a row (" 4 | a fairly long...").
+    if counted_by == "encoding":
+        monkeypatch.setattr(chunking, "pretokenize", lambda text: None)
+    rows = [f"| {i} | item {i} | a fairly long description of item {i} |" for i in range(80)]
+    text = "| id | name | description |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+    chunks = chunks_of(text, 128, 32)
+    assert len(chunks) > 5
+    for before, after in itertools.pairwise(chunks):
+        assert after.char_start < before.char_end  # they overlap
+        assert text[after.char_start - 1] == "\n", repr(after.text[:40])
+        assert after.text.startswith("| ")
+        assert tiktoken_count(text[after.char_start : before.char_end]) >= 16
+    # Prose has no line start in its tail: the overlap still starts at a word.
+    prose = " ".join(f"Sentence {i} is here." for i in range(200))
+    assert all(c.text.startswith(" ") for c in chunks_of(prose, 64, 32)[1:])
+
+
 def test_a_chunk_that_closed_early_is_not_repeated_whole_by_the_next() -> None:
     # The notes close a small chunk (the long paragraph after them does not fit); the
     # next chunk's overlap used to take nearly all of the notes again.

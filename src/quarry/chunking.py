@@ -90,8 +90,10 @@ ENCODING_NAME = "cl100k_base"
 #    at most half of its own tokens as overlap; a short paragraph ending in ":" stays with
 #    the code fence it introduces; rst titles lose their inline markup (:mod:`x` is x); a
 #    heading that would end its chunk alone takes the next paragraph's first sentences.
+# 5: an overlap starts at a line start (a table row, a wrapped line) when one keeps at
+#    least half of it, else at the earliest word that fits, as before.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
-CHUNKER_VERSION = 4
+CHUNKER_VERSION = 5
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -1492,20 +1494,25 @@ class _Packer:
         text = self.text
         if known:
             lengths, ends_word, ends_line, starts_space, starts_word = _token_tables()
-            nbytes = sum(map(lengths.__getitem__, tail))
+            chosen = None  # the earliest word start, unless a line start keeps enough
             for k in range(1, len(tail)):
                 before, token = tail[k - 1], tail[k]
-                if (ends_word[before] and starts_space[token]) or (
-                    ends_line[before] and starts_word[token]
-                ):
-                    nbytes -= sum(map(lengths.__getitem__, tail[:k]))
-                    window = text[max(floor, cut - nbytes) : cut]
-                    place = cut - (
-                        nbytes if window.isascii() else _tail_chars_for_bytes(window, nbytes)
-                    )
-                    if place > floor:
-                        return place, len(tail) - k
-                    break
+                at_line = ends_line[before] and starts_word[token]
+                if at_line or (ends_word[before] and starts_space[token]):
+                    if chosen is None:
+                        chosen = k
+                    if at_line:
+                        if len(tail) - k >= (limit + 1) // 2:
+                            chosen = k
+                        break
+            if chosen is not None:
+                nbytes = sum(map(lengths.__getitem__, tail[chosen:]))
+                window = text[max(floor, cut - nbytes) : cut]
+                place = cut - (
+                    nbytes if window.isascii() else _tail_chars_for_bytes(window, nbytes)
+                )
+                if place > floor:
+                    return place, len(tail) - chosen
             return nxt.start, 0
         # The tail tokens are estimates: find a place by text and count it.
         nbytes = len(get_encoding().decode_bytes(tail))
@@ -1550,17 +1557,22 @@ class _Packer:
         # overlap exactly ``limit`` tokens back).
         fits = bisect.bisect_left(tokens, limit)
         text, end = self.text, spec.units[-1].end
+        chosen: tuple[int, int] | None = None
         for i in range(fits - 1, -1, -1):  # earliest place first: the most overlap
             piece = tail[i]
             pos = end - chars[i]
             if not piece or pos <= floor:
                 continue  # a placeholder is not a place; never reach the chunk's start
             before, first = text[pos - 1], piece[0]
-            if ("!" <= before <= "~" and first in " \t") or (
-                before == "\n" and "!" <= first <= "~"
-            ):
-                return pos, tokens[i]
-        return nxt.start, 0
+            at_line = before == "\n" and "!" <= first <= "~"
+            if at_line or ("!" <= before <= "~" and first in " \t"):
+                if chosen is None:
+                    chosen = pos, tokens[i]
+                if at_line:
+                    if tokens[i] >= (limit + 1) // 2:
+                        chosen = pos, tokens[i]
+                    break
+        return chosen or (nxt.start, 0)
 
     def finish(self) -> list[tuple[int, int, int, tuple[str, ...]]]:
         """Flush what is pending and the held chunk; call once, at the end of the text."""
