@@ -544,6 +544,44 @@ def test_dos_code_page_text_with_accented_letters_is_not_taken_for_cp1252(
     assert doc.text == text
 
 
+@pytest.mark.parametrize(
+    ("text", "encoding"),
+    [
+        ("日本は東アジアに位置する島国で、首都は東京である。\n", "iso2022_jp"),
+        ("Mail from 2003: 会議は明日の午後です。\n", "iso2022_jp"),
+        ("한국어 텍스트입니다. 서울은 수도입니다.\n", "iso2022_kr"),
+    ],
+)
+def test_iso2022_text_is_read_by_its_escape_sequences(
+    tmp_path: Path, text: str, encoding: str
+) -> None:
+    # 7-bit, so it decoded as UTF-8: escape sequences and ASCII letters were indexed.
+    (tmp_path / "mail.txt").write_bytes(text.encode(encoding))
+    [doc] = load_document(tmp_path / "mail.txt", open_source(tmp_path))
+    assert doc.text == text
+    assert doc.metadata["encoding"] == encoding
+
+
+def test_greek_iso_8859_7_keeps_its_accented_capitals(tmp_path: Path) -> None:
+    # Detected as cp1253, which has the pilcrow where ISO-8859-7 has Ά: "¶λλες".
+    text = (
+        "Η Θεσσαλονίκη είναι η δεύτερη. Άλλες σημαντικές πόλεις είναι η Πάτρα, το "
+        "Ηράκλειο και η Λάρισα. Ο Όλυμπος είναι το ψηλότερο βουνό της Ελλάδας.\n"
+    )
+    for encoding in ("iso8859_7", "cp1253"):
+        (tmp_path / "el.txt").write_bytes(text.encode(encoding))
+        [doc] = load_document(tmp_path / "el.txt", open_source(tmp_path))
+        assert doc.text == text, encoding
+
+
+def test_html_ruby_readings_are_dropped() -> None:
+    _, text = html_to_text(
+        "<html><body><h2>日本語<ruby>漢字<rp>(</rp><rt>かんじ</rt><rp>)</rp></ruby>見出し</h2>"
+        "<p><ruby>東京<rt>とうきょう</rt></ruby>に住む</p></body></html>"
+    )
+    assert text == "## 日本語漢字見出し\n\n東京に住む\n"
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
 def test_text_with_a_wide_byte_order_mark_is_read_by_it(tmp_path: Path, encoding: str) -> None:
     text = "Hello world, a note saved by Notepad.\n"

@@ -66,7 +66,8 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # cp1252 over a detected DOS or Mac code page, or over Latin-1 with C1 control bytes; a
 # page without <main> loses its own banner, footer and sidebars; list items are one line
 # apart, nested ones indented, <ol start> kept. 4: PDF words hyphenated at a line end
-# are joined.
+# are joined; ISO-2022 text read by its escapes; Greek and Hebrew code pages told apart
+# by the letters they read; HTML ruby readings (<rt>) dropped.
 LOADER_VERSION = 4
 
 # Content types by extension. A fixed table, not the mimetypes module: the
@@ -192,6 +193,17 @@ _INSIDE_WORDS = re.compile(rb"[A-Za-z][\x80-\x91\x93-\x99\x9b\x9d\x9f][A-Za-z]")
 # Latin-1's C1 controls: text never means them; in cp1252 they are “quotes”, dashes, €.
 _C1_BYTES = re.compile(rb"[\x80-\x9f]")
 _BOMS_WIDE = (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")
+# ISO-2022 text is 7-bit, so it decodes as UTF-8 too: its escape sequences say what it is.
+_ISO2022_ESCAPE = re.compile(rb"\x1b(?:\$[@B]|\$\(D|\(J|\(I|\$\)C)")
+_ISO2022_CODECS = ("iso2022_jp", "iso2022_jp_2", "iso2022_jp_ext", "iso2022_kr")
+# Single-byte siblings that detection confuses: the Windows and the ISO code page of one
+# script, which place some letters (Greek Ά, Έ, Ή; Hebrew points) on each other's symbols.
+_SIBLINGS = {
+    "cp1253": "iso8859_7",
+    "iso8859_7": "cp1253",
+    "cp1255": "iso8859_8",
+    "iso8859_8": "cp1255",
+}
 
 
 # ---------------------------------------------------------------------------
@@ -726,15 +738,34 @@ def _bomless_utf16(data: bytes) -> tuple[str, str] | None:
     return None
 
 
+def _more_letters(data: bytes, detected: str, sibling: str) -> str:
+    """``sibling`` when it reads ``data`` with more letters than ``detected`` does."""
+    try:
+        other = data.decode(sibling)
+    except UnicodeDecodeError:
+        return detected
+    letters = sum(1 for char in data.decode(detected, "replace") if char.isalpha())
+    return sibling if sum(1 for char in other if char.isalpha()) > letters else detected
+
+
 def decode_text(data: bytes, uri: str) -> tuple[str, str]:
-    """Decode file bytes: utf-8, utf-8-sig, utf-8 with a few stray cp1252 bytes, then a
-    detected encoding. Returns (text, encoding).
+    """Decode file bytes: ISO-2022 when its escape sequences say so, utf-8, utf-8-sig,
+    utf-8 with a few stray cp1252 bytes, then a detected encoding. Returns (text, encoding).
 
     Raises :class:`UnreadableDocument` for binary data (NUL bytes anywhere, unless a
     UTF-16/32 byte order mark or their places say UTF-16) or when nothing decodes it,
     naming what was tried.
     """
     wide_bom = data.startswith(_BOMS_WIDE)
+    if not wide_bom and _ISO2022_ESCAPE.search(data):
+        korean = b"\x1b$)C" in data  # ISO-2022-KR's designation, which JP-2 misreads
+        for encoding in sorted(_ISO2022_CODECS, key=lambda name: korean != name.endswith("kr")):
+            try:
+                text = data.decode(encoding)
+            except UnicodeDecodeError:
+                continue
+            if "\x1b" not in text:
+                return text, encoding
     if not wide_bom and b"\x00" in data:
         wide = _bomless_utf16(data)
         if wide is not None:
@@ -775,6 +806,8 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
             encoding = _PREFERRED
         elif encoding == "latin_1" and _C1_BYTES.search(data) and _decodes(data, _PREFERRED):
             encoding = _PREFERRED  # as browsers read a page labelled ISO-8859-1 (WHATWG)
+        elif encoding in _SIBLINGS:
+            encoding = _more_letters(data, encoding, _SIBLINGS[encoding])
     try:
         return data.decode(encoding), encoding
     except (UnicodeDecodeError, LookupError) as exc:
@@ -1244,6 +1277,8 @@ _DROP_TAGS = frozenset(
         "audio",
         "video",
         "map",
+        "rt",  # a ruby annotation (furigana): the reading, not the text
+        "rp",
     }
 )
 _DROP_ROLES = frozenset({"navigation", "search", "banner", "contentinfo", "menu", "menubar"})
