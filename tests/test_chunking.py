@@ -595,6 +595,66 @@ def test_overlap_never_starts_inside_a_grapheme_cluster(
         )
 
 
+def _starts_a_cluster(text: str, pos: int) -> bool:
+    """Whether a chunk may start or end at ``pos``: not after a joiner, not before a mark,
+    a modifier or a conjoining jamo, not between the two indicators of a flag."""
+    if pos in (0, len(text)):
+        return True
+    char, before = text[pos], text[pos - 1]
+    if before == "\u200d" or unicodedata.category(char) in ("Mn", "Me"):
+        return False
+    if "\U0001f3fb" <= char <= "\U0001f3ff" or char in "\u200d\u0e33\u0eb3":
+        return False
+    if "\u1161" <= char <= "\u11ff" and "\u1100" <= before <= "\u11ff":
+        return False
+    run = 0  # regional indicators before pos, in one run
+    while run < pos and "\U0001f1e6" <= text[pos - 1 - run] <= "\U0001f1ff":
+        run += 1
+    return not ("\U0001f1e6" <= char <= "\U0001f1ff" and run % 2)
+
+
+@pytest.mark.parametrize("overlap", [0, 32])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "👨\u200d👩\u200d👧\u200d👦" * 600,
+        ("e" + "\u0301\u0323\u0308" * 5) * 400,
+        "\u1112\u1161\u11ab\u1100\u1173\u11af" * 800,
+        THAI * 40,
+        "🇩🇪🇫🇷🇯🇵🇰🇷🇨🇳" * 60,
+    ],
+    ids=["family-emoji", "stacked-marks", "jamo", "thai", "flags"],
+)
+def test_chunks_without_spaces_start_and_end_between_characters(text: str, overlap: int) -> None:
+    # Cut by token windows: the cut landed on a bare joiner, mark or jamo, or split a flag.
+    chunks = chunks_of(text, 256, overlap, "text")
+    assert len(chunks) > 3
+    for chunk in chunks:
+        assert _starts_a_cluster(text, chunk.char_start), (chunk.char_start, chunk.text[:3])
+        assert _starts_a_cluster(text, chunk.char_end), (chunk.char_end, chunk.text[-3:])
+        assert chunk.token_count == tiktoken_count(chunk.text) <= 256
+
+
+def test_split_in_two_pairs_flags_from_the_start_of_their_run() -> None:
+    a, b = split_in_two("🇩🇪🇫🇷🇯🇵🇰🇷🇨🇳" * 3)
+    assert len(a) % 2 == 0 and len(b) % 2 == 0
+
+
+@pytest.mark.parametrize(
+    ("sentence", "stop"),
+    [
+        ("هل تتكلم اللغة العربية بطلاقة في العمل اليومي؟", "؟"),
+        ("यह एक लंबा वाक्य है जो हिंदी में लिखा गया है।", "।"),
+        ("Πού βρίσκεται η παλιά βιβλιοθήκη της πόλης\u037e", "\u037e"),
+    ],
+)
+def test_non_latin_sentence_ends_are_cut_at(sentence: str, stop: str) -> None:
+    text = " ".join([sentence] * 60)
+    chunks = chunks_of(text, 60, 0, "text")
+    assert len(chunks) > 3
+    assert all(c.text.rstrip().endswith(stop) for c in chunks[:-1]), [c.text[-12:] for c in chunks]
+
+
 def test_token_windows_encode_little_more_than_the_text(monkeypatch: pytest.MonkeyPatch) -> None:
     # Text without spaces or sentence ends is cut by token windows; each window's
     # text is encoded to find its cut, so an oversized guess costs that much again.

@@ -91,7 +91,9 @@ ENCODING_NAME = "cl100k_base"
 #    the code fence it introduces; rst titles lose their inline markup (:mod:`x` is x); a
 #    heading that would end its chunk alone takes the next paragraph's first sentences.
 # 5: an overlap starts at a line start (a table row, a wrapped line) when one keeps at
-#    least half of it, else at the earliest word that fits, as before.
+#    least half of it, else at the earliest word that fits, as before; sentences also end
+#    at ؟ ۔ । ॥ and the Greek question mark; a token-window cut never falls inside a
+#    character (an emoji sequence, stacked marks, a jamo syllable, a flag).
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
 CHUNKER_VERSION = 5
 
@@ -254,8 +256,11 @@ _CJK_STOPS = "。！？｡︒︕︖"
 _CLOSERS = ")\\]\"'’”»」』）］｝〕〗〙〛〉》】〞〟＂＇"
 # One character class first, so the regex engine skips to the next terminator fast;
 # ． (fullwidth full stop) is no cut before a digit (a decimal point).
+# Sentence ends followed by a space, beside Latin ones: Arabic ؟ and Urdu ۔, Devanagari
+# danda । and ॥, the Greek question mark, Armenian ։, Ethiopic ።, Myanmar ။.
+_SPACED_STOPS = ".!?…\u061f\u06d4\u0964\u0965\u037e\u0589\u1362\u104b"
 _SENTENCE_CUT = re.compile(
-    rf"[.!?…{_CJK_STOPS}．](?:[{_CLOSERS}]*(?:(?=[ \t]+[^\sa-z])|\n(?=[ \t]*\S))"
+    rf"[{_SPACED_STOPS}{_CJK_STOPS}．](?:[{_CLOSERS}]*(?:(?=[ \t]+[^\sa-z])|\n(?=[ \t]*\S))"
     rf"|(?<=[{_CJK_STOPS}．])[{_CLOSERS}]*(?![\s{_CJK_STOPS}．{_CLOSERS}])"
     r"(?:(?<!．)|(?![0-9０-９])))"
 )
@@ -306,11 +311,16 @@ _HANGUL_JOINS = frozenset(
 )
 
 
+# How far back a flag's pairing is worked out; a longer run of regional indicators
+# counts as "inside" everywhere (erring on the safe side, at no quadratic cost).
+_FLAG_RUN_CAP = 4096
+
+
 def _inside_cluster(text: str, pos: int) -> bool:
     """Whether ``text[pos]`` belongs with the character before it.
 
     A combining mark, a joiner, a variation selector, an emoji modifier or tag,
-    the second of two regional indicators (a flag), the character after a zero
+    the second regional indicator of a pair (a flag), the character after a zero
     width joiner, a Thai or Lao SARA AM, a conjoining Hangul jamo that continues
     a syllable, a letter after a virama (an Indic conjunct), or the newline of a
     ``\\r\\n``: an overlap that starts at a token boundary does not start there.
@@ -320,7 +330,11 @@ def _inside_cluster(text: str, pos: int) -> bool:
     if before == "\u200d" or (before == "\r" and char == "\n"):
         return True
     if "\U0001f1e6" <= char <= "\U0001f1ff" and "\U0001f1e6" <= before <= "\U0001f1ff":
-        return True
+        # Flags pair the indicators from the run's start: inside after an odd number.
+        run, i = 1, pos - 2
+        while i >= 0 and "\U0001f1e6" <= text[i] <= "\U0001f1ff" and run < _FLAG_RUN_CAP:
+            run, i = run + 1, i - 1
+        return run % 2 == 1 or run >= _FLAG_RUN_CAP
     if char in _SPACING_LETTERS:
         return True
     if unicodedata.combining(before) == 9 and unicodedata.category(char)[0] == "L":
@@ -1210,6 +1224,15 @@ class Chunker:
                     if len(piece) <= limit or cut == pos + 1:
                         break
                     k = max(1, k - max(1, len(piece) - limit))
+                if cut < e and _inside_cluster(segment, cut):
+                    # Not inside a character: an emoji sequence, a syllable, a mark.
+                    back = cut - 1
+                    while back > pos and _inside_cluster(segment, back):
+                        back -= 1
+                    if back > pos:
+                        shorter = enc.encode_ordinary(segment[pos:back])
+                        if len(shorter) <= limit:
+                            cut, piece = back, shorter
             yield _Unit(
                 base + pos,
                 base + cut,
@@ -1659,7 +1682,7 @@ _SPLIT_PATTERNS = (
     re.compile(r"\n[ \t]*\n\s*"),  # paragraph: cut after the blank lines
     re.compile(r"\n"),  # line
     # sentence: Western ends need the space after them, CJK ones do not
-    re.compile(rf"[.!?…][{_CLOSERS}]*\s+|[{_CJK_STOPS}．][{_CLOSERS}]*\s*"),
+    re.compile(rf"[{_SPACED_STOPS}][{_CLOSERS}]*\s+|[{_CJK_STOPS}．][{_CLOSERS}]*\s*"),
     re.compile(r"\s+"),  # whitespace
 )
 
