@@ -81,6 +81,8 @@ def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> Non
         (["status"], {"QUARRY_EMBED_URL": "not a url"}, "QUARRY_EMBED_URL: 'not a url' is not"),
         (["chunk", "{dir}"], {}, "is a directory"),
         (["query", "  "], {}, "the query is empty"),
+        (["query", "\u200d"], {}, "the query is empty"),  # as the API's 422 says
+        (["query", "\U000e0067\x7f"], {}, "the query is empty"),
         (["parity", "--candidate-embed-url", "notaurl"], {}, "--candidate-embed-url: 'notaurl'"),
         (["api", "--port", "70000"], {}, "--port"),
         (["local-tei", "--backend", "hash", "--port", "99999"], {}, "port must be in 0..65535"),

@@ -36,7 +36,6 @@ import logging
 import math
 import re
 import time
-import unicodedata
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
@@ -93,6 +92,7 @@ from quarry.search import (
     Collapse,
     RerankOutcome,
     SearchFilter,
+    is_blank_query,
     model_summary,
     rank_results,
     rerank_fallback_warning,
@@ -308,8 +308,7 @@ class QueryRequest(_ClosedBody):
     @field_validator("query")
     @classmethod
     def _not_blank(cls, query: str) -> str:
-        # Nor only controls or format characters (NUL, a zero-width space): nothing to ask.
-        if all(c.isspace() or unicodedata.category(c)[0] == "C" for c in query):
+        if is_blank_query(query):
             raise ValueError("must contain something other than whitespace")
         return query
 

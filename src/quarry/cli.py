@@ -307,8 +307,14 @@ def query(
     as_json: JsonFlag = False,
 ) -> None:
     """Search the collection and print the best passages with their scores and sources."""
-    if not text.strip():
-        _fail("the query is empty: give a question (quarry query TEXT)", EXIT_USAGE)
+    from quarry.search import is_blank_query
+
+    if is_blank_query(text):
+        _fail(
+            "the query is empty (whitespace or invisible characters only): give a question "
+            "(quarry query TEXT)",
+            EXIT_USAGE,
+        )
     # Bytes the locale could not decode (a non-UTF-8 locale, or invalid UTF-8): taken
     # as UTF-8, each invalid byte as U+FFFD.
     text = _utf8_text(text)

@@ -9,6 +9,7 @@ another model made.
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -138,6 +139,12 @@ def _index(value: object) -> int:
 
 RerankOutcome = Literal["reranked", "skipped", "failed"]
 """What became of the rerank step: scores came back, it was not asked for, or it failed."""
+
+
+def is_blank_query(query: str) -> bool:
+    """Whether ``query`` asks nothing: only whitespace, controls or format characters
+    (NUL, a zero-width space or joiner, a tag character)."""
+    return all(c.isspace() or unicodedata.category(c)[0] == "C" for c in query)
 
 
 def rerank_texts(hits: Sequence[models.ScoredPoint]) -> list[str]:
