@@ -167,17 +167,22 @@ def source_specs(
     exclude: list[str] | None,
     *,
     missing_file_ok: bool = False,
+    encoding: str | None = None,
 ) -> list[SourceSpec]:
     """Open each path as a source with the given globs; ``exclude`` adds to the default
     skips (.git, node_modules, .venv, ...) instead of replacing them. With
     ``missing_file_ok`` a file that is gone is a source too (an ingest removes its
-    documents); a reindex must read every path it is given."""
+    documents); a reindex must read every path it is given. ``encoding`` decodes
+    their files that are not UTF-8 (default: detected)."""
     globs: dict[str, Any] = {}
     if include:
         globs["include"] = tuple(include)
     if exclude:
         globs["exclude"] = DEFAULT_EXCLUDE + tuple(exclude)
-    specs = [open_source(path, **globs, missing_file_ok=missing_file_ok) for path in paths]
+    specs = [
+        open_source(path, **globs, missing_file_ok=missing_file_ok, encoding=encoding)
+        for path in paths
+    ]
     refuse_overlapping_sources(specs)
     return specs
 
@@ -191,6 +196,7 @@ def ingest_flow(
     include: list[str] | None = None,
     exclude: list[str] | None = None,
     reread: bool = False,
+    encoding: str | None = None,
 ) -> dict[str, Any]:
     """Sync ``sources`` (folders or files) into ``collection``.
 
@@ -203,6 +209,9 @@ def ingest_flow(
         exclude: Globs of files to skip, besides the default ones (.git, node_modules, ...).
         reread: Read and hash every file, even one whose mtime and size are those its
             documents were indexed from (after restoring files with old mtimes, say).
+        encoding: The encoding of the sources' text files that are not UTF-8, such as
+            ``cp1251`` or ``shift_jis`` (default: detected, which can misread a file of
+            a sentence or two). Files read before with another setting are read again.
 
     Returns:
         The ingest summary (``IngestReport.to_dict()``).
@@ -212,7 +221,7 @@ def ingest_flow(
     settings = get_settings(collection=collection)
     started = time.monotonic()
     try:
-        specs = source_specs(sources, include, exclude, missing_file_ok=True)
+        specs = source_specs(sources, include, exclude, missing_file_ok=True, encoding=encoding)
         with (
             one_writer(settings, settings.collection),
             open_services(settings) as services,

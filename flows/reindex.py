@@ -35,6 +35,7 @@ def reindex_flow(
     exclude: list[str] | None = None,
     allow_mass_delete: bool = False,
     force: bool = False,
+    encoding: str | None = None,
 ) -> dict[str, Any]:
     """Rebuild ``collection`` with the live embedding model and switch its alias to it.
 
@@ -50,6 +51,8 @@ def reindex_flow(
             ``QUARRY_MAX_DELETE_FRACTION`` of the documents the alias serves.
         force: Rebuild the stored chunks even when the live model, served as the
             collection's, and the chunk settings would only copy it.
+        encoding: With ``from_source``: the encoding of text files not in UTF-8, as at
+            ingest (default: detected).
 
     Returns:
         The reindex report (``ReindexReport.to_dict()``).
@@ -57,7 +60,7 @@ def reindex_flow(
     quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
     logger = get_run_logger()
     settings = get_settings(collection=collection)
-    specs = source_specs(from_source or [], include, exclude)
+    specs = source_specs(from_source or [], include, exclude, encoding=encoding)
 
     with one_writer(settings, settings.collection), open_services(settings) as services:
 

@@ -104,11 +104,26 @@ def test_bad_settings_and_arguments_are_usage_errors_that_say_what_to_fix(
     assert "Traceback" not in result.stderr
 
 
+def test_chunk_reads_a_legacy_file_in_the_encoding_given_and_says_so(tmp_path: Path) -> None:
+    text = "В городе работают сотни университетов, музеев и театров."
+    (tmp_path / "ru.txt").write_bytes(text.encode("cp1251"))
+    given = run(["chunk", str(tmp_path / "ru.txt"), "--encoding", "CP1251", "--json"], {})
+    assert given.returncode == 0, given.stderr
+    answer = json.loads(given.stdout)
+    assert ([c["text"] for c in answer["chunks"]], answer["encoding"]) == ([text], "cp1251")
+    human = run(["chunk", str(tmp_path / "ru.txt"), "--encoding", "cp1251"], {})
+    assert "ru.txt: read as cp1251" in human.stderr
+    unknown = run(["chunk", str(tmp_path / "ru.txt"), "--encoding", "klingon"], {})
+    assert unknown.returncode == 2
+    assert "unknown encoding 'klingon'" in unknown.stderr
+
+
 def test_chunk_json_shape(tmp_path: Path) -> None:
     doc = write_corpus(tmp_path, {"g.md": "# Title\n\n" + "Some words here. " * 200})
     result = run(["chunk", str(doc / "g.md"), "--max-tokens", "64", "--overlap", "8", "--json"], {})
     assert result.returncode == 0, result.stderr
     chunks = json.loads(result.stdout)["chunks"]
+    assert json.loads(result.stdout)["encoding"] == "utf-8"
     assert len(chunks) > 1
     assert set(chunks[0]) == {
         "uri",

@@ -45,6 +45,14 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON result on s
 CollectionOption = Annotated[
     str | None, typer.Option("--collection", "-c", help="Collection alias (QUARRY_COLLECTION).")
 ]
+EncodingOption = Annotated[
+    str | None,
+    typer.Option(
+        "--encoding",
+        help="Encoding of text files that are not UTF-8, such as cp1251 or shift_jis "
+        "(default: detected, which can misread a file of a sentence or two).",
+    ),
+]
 
 
 # Set by main() when the command line asks for --json: a failure is then a JSON object
@@ -236,6 +244,7 @@ def ingest(
             help="Read and hash every file, even one whose mtime and size are as indexed.",
         ),
     ] = False,
+    encoding: EncodingOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
@@ -245,7 +254,7 @@ def ingest(
 
         # A file that is gone is still a source (syncing it removes its documents);
         # a path whose folder is gone too is refused here, as SourceNotFound.
-        specs = [open_source(p, missing_file_ok=True) for p in paths]
+        specs = [open_source(p, missing_file_ok=True, encoding=encoding) for p in paths]
         refuse_overlapping_sources(specs)
         _preflight(settings)
         if not all(path.exists() for path in paths):
@@ -276,6 +285,7 @@ def ingest(
             include=include,
             exclude=exclude,
             reread=reread,
+            encoding=encoding,
         )
 
     def human() -> None:
@@ -365,6 +375,7 @@ def chunk(
     file: Annotated[Path, typer.Argument(help="A file to split.", exists=False)],
     max_tokens: Annotated[int | None, typer.Option(min=16, help="Chunk size in tokens.")] = None,
     overlap: Annotated[int | None, typer.Option(min=0, help="Overlap in tokens.")] = None,
+    encoding: EncodingOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Show how FILE will be split into chunks."""
@@ -380,7 +391,7 @@ def chunk(
 
         chunker = Chunker(settings.chunk_tokens, settings.chunk_overlap)
         try:
-            documents = load_path(file, max_file_bytes=settings.max_file_bytes)
+            documents = load_path(file, max_file_bytes=settings.max_file_bytes, encoding=encoding)
         except UnreadableDocument as error:
             # Named as given (not by the uri an ingest would use), and nothing is "skipped".
             reason = re.sub(r"[,;] skipped$", "", error.reason)
@@ -400,10 +411,18 @@ def chunk(
                 "char_end": c.char_end,
             }
             for d, c in chunks
-        ]
+        ],
+        # What the file was read as: a legacy encoding is detected unless --encoding says.
+        "encoding": (
+            documents[0].metadata.get("encoding", "utf-8")
+            if documents and documents[0].metadata.get("content_type") != "application/pdf"
+            else None
+        ),
     }
 
     def human() -> None:
+        if data["encoding"] not in (None, "utf-8"):
+            typer.echo(f"{file}: read as {data['encoding']}", err=True)
         if not chunks:
             typer.echo(f"{file}: no text, so no chunks (an ingest indexes nothing of it)")
         for d, c in chunks:
@@ -607,6 +626,7 @@ def reindex(
             "--force", help="Rebuild even when the model, its serving and the settings match."
         ),
     ] = False,
+    encoding: EncodingOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Rebuild the collection with the live model beside the old one, then switch the alias."""
@@ -620,13 +640,17 @@ def reindex(
         # nan would pass every gate (nothing compares below it), above 1 refuse every
         # build: either only after the whole collection was re-embedded.
         _fail(f"--min-ndcg must be between 0 and 1, not {min_ndcg}", EXIT_USAGE)
-    if (include or exclude) and not from_source:
-        _fail("--include and --exclude need --from-source PATH", EXIT_USAGE)
+    if (include or exclude or encoding) and not from_source:
+        _fail("--include, --exclude and --encoding need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
         if eval_dir is not None:
             from quarry.evaluate import load_beir
 
             load_beir(eval_dir, eval_split)  # a bad dataset is refused before hours of re-embedding
+        if encoding is not None:
+            from quarry.sources import checked_encoding
+
+            checked_encoding(encoding)
         _preflight(settings)
     from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 
@@ -655,6 +679,7 @@ def reindex(
             exclude=exclude,
             allow_mass_delete=allow_mass_delete,
             force=force,
+            encoding=encoding,
         )
 
     def human() -> None:

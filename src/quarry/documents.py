@@ -93,6 +93,7 @@ class FileStamp:
     loaded_at: str  # when it was opened, ISO 8601 UTC
     loader: int  # quarry.sources.LOADER_VERSION at the time
     parts: int = 1  # documents the file was loaded as (PDF pages with text)
+    decoder: str = ""  # the encoding its source declared for text not in UTF-8; "" detects
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any]) -> FileStamp | None:
@@ -104,23 +105,28 @@ class FileStamp:
                 str(metadata["loaded_at"]),
                 int(metadata["loader"]),
                 int(metadata["parts"]),
+                str(metadata.get("decoder", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
 
     def to_metadata(self) -> dict[str, Any]:
         """The stamp as volatile metadata (stored with the points, not hashed)."""
-        return {key: getattr(self, key) for key in STAMP_FIELDS}
+        stamp = {key: getattr(self, key) for key in STAMP_FIELDS}
+        if self.decoder:  # kept out of the points of the many sources that declare none
+            stamp["decoder"] = self.decoder
+        return stamp
 
-    def vouches_for(self, mtime: str, size: int, loader: int) -> bool:
-        """True when a file whose mtime and size are now these is the file loaded then.
+    def vouches_for(self, mtime: str, size: int, loader: int, decoder: str = "") -> bool:
+        """True when a file whose mtime and size are now these is the file loaded then,
+        by the same loader and declared encoding (``decoder``).
 
         A change made within one timestamp tick of the change before it keeps the
         mtime, so a stamp vouches only for a file that had been still for a margin
         before it was read (git's "racily clean" rule): 2 s where mtimes are whole
         seconds (FAT, some network file systems), 50 ms otherwise.
         """
-        if (self.mtime, self.size, self.loader) != (mtime, size, loader):
+        if (self.mtime, self.size, self.loader, self.decoder) != (mtime, size, loader, decoder):
             return False
         margin = 0.05 if "." in self.mtime else 2.0
         try:

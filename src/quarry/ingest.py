@@ -425,7 +425,9 @@ class IndexSync:
             if len(doc.stamps) != 1 or len(doc.hashes) != 1:
                 return False
             (stamp,) = doc.stamps
-            if stamp is None or not stamp.vouches_for(mtime, stat.st_size, LOADER_VERSION):
+            if stamp is None or not stamp.vouches_for(
+                mtime, stat.st_size, LOADER_VERSION, plan.spec.encoding or ""
+            ):
                 return False
             if stamp.parts != len(docs):  # a document of the file is missing: read it again
                 return False
@@ -448,13 +450,16 @@ class IndexSync:
         if any(
             stored is not None
             and stored.parts == stamp.parts
-            and stored.vouches_for(stamp.mtime, stamp.size, stamp.loader)
+            and stored.vouches_for(stamp.mtime, stamp.size, stamp.loader, stamp.decoder)
             for stored in state.stamps
         ):
             return  # what is stored already vouches for the file (a --reread, say)
         ids = [point_id(document.doc_id, index) for index in sorted(state.indexes)]
+        metadata = stamp.to_metadata()
+        if not stamp.decoder and any(stored and stored.decoder for stored in state.stamps):
+            metadata["decoder"] = ""  # the source no longer declares one: overwrite it
         try:
-            self.store.update_point_metadata(ids, stamp.to_metadata())
+            self.store.update_point_metadata(ids, metadata)
         except WriteFailed as error:  # only costs a read next time
             logger.warning("could not record the new file stamp of %s: %s", document.uri, error)
         else:

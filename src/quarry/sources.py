@@ -24,6 +24,7 @@ missing from the index).
 
 from __future__ import annotations
 
+import codecs
 import errno
 import io
 import os
@@ -277,6 +278,21 @@ def _escape_glob(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
+def checked_encoding(name: str) -> str:
+    """Python's name for the text encoding ``name`` (``CP1251`` is ``cp1251``); ConfigError
+    for one Python does not know, or for a codec that is not a text encoding."""
+    try:
+        info = codecs.lookup(name)
+    except LookupError:
+        raise ConfigError(
+            f"unknown encoding {name!r}: give one Python knows, such as cp1251, shift_jis, "
+            "gb18030 or iso8859_7"
+        ) from None
+    if not getattr(info, "_is_text_encoding", True):
+        raise ConfigError(f"{name!r} is not a text encoding")
+    return info.name
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     """A source: a root directory, the globs that pick files under it, and its name.
@@ -292,6 +308,8 @@ class SourceSpec:
     # Set when the source is one file of a folder: its path relative to the root. A sync
     # of it then concerns that file's documents only, not the folder's other files.
     file: str | None = None
+    # The encoding of the source's text files that are not UTF-8 (None: detect it).
+    encoding: str | None = None
     _include_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
     _exclude_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
 
@@ -302,6 +320,8 @@ class SourceSpec:
         object.__setattr__(self, "exclude", tuple(self.exclude))
         if not self.name:
             object.__setattr__(self, "name", root.name or "root")
+        if self.encoding is not None:
+            object.__setattr__(self, "encoding", checked_encoding(self.encoding))
         object.__setattr__(self, "_include_re", _any_glob(self.include))
         object.__setattr__(self, "_exclude_re", _any_glob(self.exclude))
 
@@ -335,6 +355,7 @@ def open_source(
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE,
     *,
     missing_file_ok: bool = False,
+    encoding: str | None = None,
 ) -> SourceSpec:
     """A source for a directory, or for one file (root = its directory, include = that file;
     a sync of it adds, updates or removes that file's documents only).
@@ -342,7 +363,19 @@ def open_source(
     Raises :class:`SourceNotFound` naming the path if it does not exist, unless
     ``missing_file_ok`` and its folder exists: then it is a one-file source whose
     file is gone (a sync of it removes that file's documents, if any were indexed).
+    ``encoding`` is that of its files that are not UTF-8 (default: detected).
     """
+    spec = _open_source(path, include, exclude, missing_file_ok=missing_file_ok)
+    return spec if encoding is None else replace(spec, encoding=encoding)
+
+
+def _open_source(
+    path: str | Path,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    *,
+    missing_file_ok: bool,
+) -> SourceSpec:
     given = Path(path)
     if given.exists():
         resolved = given.resolve()
@@ -748,9 +781,10 @@ def _more_letters(data: bytes, detected: str, sibling: str) -> str:
     return sibling if sum(1 for char in other if char.isalpha()) > letters else detected
 
 
-def decode_text(data: bytes, uri: str) -> tuple[str, str]:
+def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[str, str]:
     """Decode file bytes: ISO-2022 when its escape sequences say so, utf-8, utf-8-sig,
-    utf-8 with a few stray cp1252 bytes, then a detected encoding. Returns (text, encoding).
+    utf-8 with a few stray cp1252 bytes, then the ``declared`` encoding, else a detected
+    one. Returns (text, encoding).
 
     Raises :class:`UnreadableDocument` for binary data (NUL bytes anywhere, unless a
     UTF-16/32 byte order mark or their places say UTF-16) or when nothing decodes it,
@@ -782,6 +816,15 @@ def decode_text(data: bytes, uri: str) -> tuple[str, str]:
         repaired = _mostly_utf8(data)
         if repaired is not None:
             return repaired
+    if declared is not None and not wide_bom:
+        try:
+            return data.decode(declared), declared
+        except UnicodeDecodeError as exc:
+            raise _fail(
+                uri,
+                f"cannot decode text: tried utf-8, utf-8-sig and {declared} (the source's "
+                f"encoding): {exc.reason} at byte {exc.start}",
+            ) from None
     from charset_normalizer import from_bytes
 
     results = from_bytes(data)
@@ -933,7 +976,7 @@ def load_document(
         raise _fail(uri, f"cannot open: {getattr(exc, 'strerror', None) or exc}") from None
     if not _inside(real, spec.root):
         raise _fail(uri, "symlink points outside the source root; not followed")
-    return _load_file(path, uri, max_file_bytes=max_file_bytes)
+    return _load_file(path, uri, max_file_bytes=max_file_bytes, encoding=spec.encoding)
 
 
 def _load_file(
@@ -944,8 +987,10 @@ def _load_file(
     max_file_bytes: int,
     no_follow: bool = False,
     root: Path | None = None,
+    encoding: str | None = None,
 ) -> list[Document]:
-    """Load a file whose place in the source is settled; ``no_follow`` refuses a symlink.
+    """Load a file whose place in the source is settled; ``no_follow`` refuses a symlink;
+    ``encoding`` decodes it when it is not UTF-8, instead of detection.
 
     ``name`` (default ``path``) gives the content type and the fallback title.
 
@@ -986,15 +1031,17 @@ def _load_file(
     if len(data) > max_file_bytes:
         raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
     path = name or path
-    stamp = FileStamp(file_mtime(stat), len(data), loaded_at, LOADER_VERSION, parts=1)
+    stamp = FileStamp(
+        file_mtime(stat), len(data), loaded_at, LOADER_VERSION, parts=1, decoder=encoding or ""
+    )
     volatile = stamp.to_metadata()
     if not data.strip():
         return []  # empty: nothing to index, nothing wrong (see the module docstring)
     content_type = _content_type(path)
     if content_type == "application/pdf":
         return _load_pdf(data, uri, path, stamp)
-    raw, encoding = decode_text(data, uri)
-    extra: dict[str, Any] = {} if encoding in ("utf-8", "utf-8-sig") else {"encoding": encoding}
+    raw, found = decode_text(data, uri, declared=encoding)
+    extra: dict[str, Any] = {} if found in ("utf-8", "utf-8-sig") else {"encoding": found}
     if content_type == "text/html":
         try:
             title, text = html_to_text(raw)
@@ -1197,6 +1244,7 @@ def iter_documents(
                 max_file_bytes=max_file_bytes,
                 no_follow=True,
                 root=spec.root,
+                encoding=spec.encoding,
             )
         except UnreadableDocument as exc:
             yield LoadFailure(exc.uri, _message(exc))
@@ -1235,8 +1283,14 @@ def _message(exc: UnreadableDocument) -> str:
     return text[len(prefix) :] if text.startswith(prefix) else text
 
 
-def load_path(path: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[Document]:
-    """Load one file whatever its name (source code as text too), for ``quarry chunk FILE``.
+def load_path(
+    path: str | Path,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    encoding: str | None = None,
+) -> list[Document]:
+    """Load one file whatever its name (source code as text too), for ``quarry chunk FILE``;
+    ``encoding`` is the file's when it is not UTF-8 (default: detected).
 
     Raises :class:`SourceNotFound` if it does not exist and
     :class:`UnreadableDocument` if it is a directory or cannot be read as text.
@@ -1250,7 +1304,7 @@ def load_path(path: str | Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES)
         raise UnreadableDocument(str(path), "is a directory, not a file")
     if not given.is_file():  # opening a FIFO would wait for a writer forever
         raise UnreadableDocument(str(path), _NOT_REGULAR)
-    spec = open_source(given)
+    spec = open_source(given, encoding=encoding)
     return load_document(given.resolve(), spec, max_file_bytes=max_file_bytes)
 
 
