@@ -570,6 +570,10 @@ def test_local_tei_takes_every_option_of_the_module_and_says_when_its_port_is_ta
     assert helped.returncode == 0
     for option in ("--auto-truncate", "--payload-limit", "--engine-version", "--rerank-dialect"):
         assert option in helped.stdout
+    # The defaults a user needs, quarry's own port among them (the module picks a free one).
+    flat = " ".join(helped.stdout.split())
+    for default in ("(default: minilm)", "(default: 8001)", "(default: 32768)"):
+        assert default in flat
     port = tei.url.rsplit(":", 1)[1]
     taken = run(["local-tei", "--backend", "hash", "--port", port], {}, timeout=60)
     assert taken.returncode == 1
@@ -915,3 +919,33 @@ def test_every_command_summary_is_one_line() -> None:
     for name, command in group.commands.items():
         summary = (command.help or "").strip().split("\n\n", 1)[0]
         assert summary and "\n" not in summary, f"quarry {name}: {summary!r}"
+
+
+def test_collections_refuses_a_physical_collection_given_for_the_alias(tmp_path: Path) -> None:
+    # Docs audit: it answered "no collections for alias ..." with exit 0.
+    from qdrant_client import QdrantClient, models
+
+    settings = Settings(data_dir=tmp_path / "d")
+    settings.qdrant_path.mkdir(parents=True)
+    client = QdrantClient(path=str(settings.qdrant_path))
+    physical = "quarry__8c16ae3b1106__20261201235921"
+    client.create_collection(physical, models.VectorParams(size=4, distance=models.Distance.COSINE))
+    client.close()
+    result = run(["collections", "-c", physical], {"QUARRY_DATA_DIR": str(tmp_path / "d")})
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "is a collection, not an alias" in result.stderr
+
+
+def test_a_misspelt_setting_is_named_with_the_one_meant(tmp_path: Path) -> None:
+    # Docs audit: QUARRY_EMBED_ULR and the like were ignored without a word.
+    doc = write_corpus(tmp_path, {"a.md": "# A\n\nText."})
+    env = {"QUARRY_EMBED_ULR": "http://x", "QUARRY_FROBNICATE": "1", "QUARRY_GIT_REPO": "r"}
+    result = run(["chunk", str(doc / "a.md"), "--json"], env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["chunks"]  # stdout stays the JSON answer
+    warnings = [line for line in result.stderr.splitlines() if "quarry: warning:" in line]
+    assert warnings == [
+        "quarry: warning: QUARRY_EMBED_ULR is not a quarry setting (did you mean "
+        "QUARRY_EMBED_URL?); ignored",
+        "quarry: warning: QUARRY_FROBNICATE is not a quarry setting; ignored",
+    ]

@@ -268,6 +268,7 @@ def test_a_physical_collection_given_for_the_alias_is_named_as_such(
             from_source=[open_source(index.corpus)],
         ),
         lambda: rollback(view),
+        lambda: prune(view, 1),
     ]
     for call in calls:
         with pytest.raises(ConfigError, match=hint):

@@ -9,6 +9,7 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 from pydantic import ValidationError
 
-from quarry.config import Settings, describe_invalid, get_settings, http_url
+from quarry.config import Settings, describe_invalid, get_settings, http_url, unknown_settings
 from quarry.errors import (
     ConfigError,
     QuarryError,
@@ -136,6 +137,8 @@ def _with_notes(error: BaseException) -> str:
 
 
 def _settings(**overrides: Any) -> Settings:
+    for problem in unknown_settings(os.environ):
+        typer.echo(f"quarry: warning: {problem}", err=True)
     try:
         return get_settings(**overrides)
     except ValidationError as error:
@@ -547,6 +550,8 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
         store = VectorStore(open_client(settings), settings.collection)
         try:
             found = store.collections()
+            if not found:
+                store.refuse_a_collection_name()  # a build's name given for the alias
         finally:
             store.close()
     rows: list[dict[str, Any]] = []
@@ -747,7 +752,7 @@ def prune(
     ] = 2,
     as_json: JsonFlag = False,
 ) -> None:
-    """Delete old physical collections of the alias, keeping KEEP of them.
+    """Delete old physical collections of the alias, keeping --keep N of them.
 
     Kept first: the live one, then the one `quarry rollback` returns to, then the newest.
     """

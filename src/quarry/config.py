@@ -6,6 +6,8 @@ down; no module keeps settings or clients at import time.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -139,6 +141,26 @@ def describe_invalid(error: ValidationError) -> str:
         else:
             lines.append(message)
     return "; ".join(lines)
+
+
+# QUARRY_* variables that are no setting of quarry's but compose.yaml's and prefect.yaml's.
+DEPLOYMENT_VARIABLES = frozenset({"QUARRY_GIT_REPO", "QUARRY_GIT_BRANCH", "QUARRY_SOURCES_DIR"})
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """What is wrong with each ``QUARRY_*`` name in ``environ`` that is no setting: a typo
+    (``QUARRY_EMBED_ULR``) is otherwise ignored without a word. Names the nearest
+    setting when one is close."""
+    known = {f"QUARRY_{name.upper()}" for name in Settings.model_fields}
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("QUARRY_") or upper in known or upper in DEPLOYMENT_VARIABLES:
+            continue
+        near = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.8)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        problems.append(f"{name} is not a quarry setting{hint}; ignored")
+    return problems
 
 
 def get_settings(**overrides: object) -> Settings:

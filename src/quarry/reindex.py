@@ -649,6 +649,8 @@ def prune(store: VectorStore, keep: int) -> list[str]:
     if keep < 1:
         raise ValueError("--keep must be at least 1")
     current = store.alias_target()
+    if current is None:
+        store.refuse_a_collection_name()  # a build's name for the alias: it has no builds
     collections: list[CollectionInfo] = store.collections()  # newest first
     rollback_to = store.metadata(current).get(META_PREVIOUS) if current else None
     ranked = sorted(

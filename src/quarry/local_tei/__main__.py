@@ -15,23 +15,76 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m quarry.local_tei",
         description="Serve Text Embeddings Inference 1.9.3's HTTP API locally.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--backend", choices=["minilm", "hash"], default="minilm")
-    p.add_argument("--host", default=defaults.host)
+    p.add_argument(
+        "--backend",
+        choices=["minilm", "hash"],
+        default="minilm",
+        help="the bundled all-MiniLM-L6-v2, or a model-free hash stand-in (another model)",
+    )
+    p.add_argument("--host", default=defaults.host, help="address to listen on")
     p.add_argument("--port", type=int, default=defaults.port, help="0 picks a free port")
     p.add_argument("--dims", type=int, default=defaults.dims, help="hash backend only")
     p.add_argument("--seed", type=int, default=defaults.seed, help="hash backend only")
-    p.add_argument("--max-input-length", type=int, default=None)
-    p.add_argument("--max-client-batch-size", type=int, default=defaults.max_client_batch_size)
-    p.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
-    p.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests)
-    p.add_argument("--latency-ms", type=float, default=defaults.latency_ms)
-    p.add_argument("--per-token-us", type=float, default=defaults.per_token_us)
-    p.add_argument("--fault-rate", type=float, default=defaults.fault_rate)
-    p.add_argument("--payload-limit", type=int, default=defaults.payload_limit)
-    p.add_argument("--engine-version", default=defaults.engine_version)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--rerank-dialect", choices=["tei", "cohere"], default="tei")
+    p.add_argument(
+        "--max-input-length",
+        type=int,
+        default=None,
+        help="tokens an input may have (None: the model's own limit)",
+    )
+    p.add_argument(
+        "--max-client-batch-size",
+        type=int,
+        default=defaults.max_client_batch_size,
+        help="inputs per request",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="tokens per request, all inputs together",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="inputs in flight before it answers 429",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=defaults.latency_ms,
+        help="added to every request, to act like a remote GPU service",
+    )
+    p.add_argument(
+        "--per-token-us",
+        type=float,
+        default=defaults.per_token_us,
+        help="added per input token (a GPU's capacity)",
+    )
+    p.add_argument(
+        "--fault-rate",
+        type=float,
+        default=defaults.fault_rate,
+        help="share of requests answered with a 429 or a 503, for trials of retries",
+    )
+    p.add_argument(
+        "--payload-limit",
+        type=int,
+        default=defaults.payload_limit,
+        help="request body limit in bytes (413 above it)",
+    )
+    p.add_argument(
+        "--engine-version", default=defaults.engine_version, help="the version /info reports"
+    )
+    p.add_argument("--api-key", default=None, help="require this bearer key")
+    p.add_argument(
+        "--rerank-dialect",
+        choices=["tei", "cohere"],
+        default="tei",
+        help="TEI's /rerank, or the Cohere-style /v1/rerank",
+    )
     p.add_argument(
         "--auto-truncate",
         choices=["true", "false"],
