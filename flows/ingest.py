@@ -27,7 +27,7 @@ from flows import quiet_quarry_tracebacks
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
-from quarry.errors import QuarryError, ServiceUnavailable, StoreLocked
+from quarry.errors import IngestIncomplete, QuarryError, ServiceUnavailable, StoreLocked
 from quarry.ingest import (
     PROGRESS_SECONDS,
     BatchResult,
@@ -197,6 +197,7 @@ def ingest_flow(
     exclude: list[str] | None = None,
     reread: bool = False,
     encoding: str | None = None,
+    fail_on_failures: bool = False,
 ) -> dict[str, Any]:
     """Sync ``sources`` (folders or files) into ``collection``.
 
@@ -212,6 +213,9 @@ def ingest_flow(
         encoding: The encoding of the sources' text files that are not UTF-8, such as
             ``cp1251`` or ``shift_jis`` (default: detected, which can misread a file of
             a sentence or two). Files read before with another setting are read again.
+        fail_on_failures: End the run Failed (raising IngestIncomplete, whose ``summary``
+            is the run's) when a file or document could not be indexed, so an automation
+            on failed runs pages someone; everything else is indexed all the same.
 
     Returns:
         The ingest summary (``IngestReport.to_dict()``).
@@ -258,12 +262,14 @@ def ingest_flow(
         raise
     elapsed = time.monotonic() - started
     logger.info(
-        "ingest of %s: %d seen, %d skipped, %d embedded (%d chunks, %d reused), %d deleted, "
-        "%d failed in %.1fs",
+        "ingest of %s: %d seen, %d skipped, %d embedded (%d new, %d changed; %d chunks, "
+        "%d reused), %d deleted, %d failed in %.1fs",
         settings.collection,
         report.documents_seen,
         report.documents_skipped,
         report.documents_embedded,
+        report.documents_added,
+        report.documents_updated,
         report.chunks_embedded,
         report.chunks_reused,
         report.documents_deleted,
@@ -271,6 +277,8 @@ def ingest_flow(
         elapsed,
     )
     _publish_artifact(report, sources, elapsed)
+    if fail_on_failures and report.documents_failed:
+        raise IngestIncomplete(settings.collection, report.to_dict())
     return report.to_dict()
 
 
@@ -319,11 +327,12 @@ def _publish_artifact(report: IngestReport, sources: list[str], elapsed: float) 
         "",
         _sources_line(sources),
         "",
-        "| documents seen | skipped | embedded | deleted | failed | chunks | reused | tokens "
-        "| seconds |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| documents seen | skipped | embedded | new | changed | deleted | failed | chunks "
+        "| reused | tokens | seconds |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {report.documents_seen} | {report.documents_skipped} | {report.documents_embedded} "
-        f"| {report.documents_deleted} | {report.documents_failed} | {report.chunks_embedded} "
+        f"| {report.documents_added} | {report.documents_updated} | {report.documents_deleted} "
+        f"| {report.documents_failed} | {report.chunks_embedded} "
         f"| {report.chunks_reused} | {report.tokens_embedded} | {elapsed:.1f} |",
     ]
     if report.failures:

@@ -236,6 +236,27 @@ def test_ingest_query_status_round_trip(
     assert json.loads(by_name.stdout) == status
 
 
+def test_ingest_fail_on_failures_exits_4_with_the_summary_on_stdout(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    env = {
+        "QUARRY_DATA_DIR": str(tmp_path / "d"),
+        "QUARRY_EMBED_URL": tei.url,
+        "PREFECT_API_URL": prefect_api,
+    }
+    corpus = write_corpus(tmp_path / "kb", {"good.md": "# Good\n\nIndexed all the same."})
+    (corpus / "bad.md").write_bytes(b"a\x00b")
+    strict = run(["ingest", str(corpus), "--fail-on-failures", "--json"], env)
+    assert strict.returncode == 4, strict.stderr
+    summary = json.loads(strict.stdout)  # the run's summary, not an error object
+    assert (summary["documents_embedded"], summary["documents_failed"]) == (1, 1)
+    assert "1 documents could not be indexed (fail on failures); first: kb/bad.md" in strict.stderr
+    assert "Traceback" not in strict.stderr
+    lenient = run(["ingest", str(corpus)], env)
+    assert lenient.returncode == 0, lenient.stderr
+    assert "1 new, 0 changed" not in lenient.stdout and "failed: kb/bad.md" in lenient.stdout
+
+
 def ingested(tmp_path: Path, url: str, prefect_api: str, files: dict[str, str]) -> dict[str, str]:
     """Index ``files`` (folder kb) with the service at ``url``; the environment used."""
     corpus = write_corpus(tmp_path / "kb", files)
@@ -949,3 +970,10 @@ def test_a_misspelt_setting_is_named_with_the_one_meant(tmp_path: Path) -> None:
         "QUARRY_EMBED_URL?); ignored",
         "quarry: warning: QUARRY_FROBNICATE is not a quarry setting; ignored",
     ]
+
+
+def test_version() -> None:
+    from quarry import __version__
+
+    result = run(["--version"], {}, timeout=60)
+    assert (result.returncode, result.stdout) == (0, f"quarry {__version__}\n")

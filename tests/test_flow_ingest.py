@@ -115,7 +115,30 @@ def test_flow_publishes_a_markdown_artifact(
     ingest_flow(sources=[str(corpus)], collection="artifacts")
     artifact = Artifact.get("ingest-artifacts")
     assert artifact is not None
-    assert "| 1 | 0 | 1 | 0 | 0 |" in str(artifact.data)
+    assert "| 1 | 0 | 1 | 1 | 0 | 0 | 0 |" in str(artifact.data)  # seen ... new, changed ...
+
+
+def test_a_run_asked_to_fail_on_failures_ends_failed_with_its_summary(
+    tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nightly trial: a run whose files were all unreadable ended Completed, exit 0, and
+    # the automation on failed runs the operations guide sets up never fired.
+    from flows.ingest import ingest_flow
+    from quarry.errors import IngestIncomplete
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    corpus = write_corpus(tmp_path / "strict", {"good.md": "# Good\n\nIndexed all the same."})
+    (corpus / "bad.md").write_bytes(b"a\x00b")
+    state = ingest_flow(
+        sources=[str(corpus)], collection="strict", fail_on_failures=True, return_state=True
+    )
+    assert state.is_failed()
+    with pytest.raises(IngestIncomplete, match=r"1 documents could not be indexed.*strict/bad.md"):
+        state.result()
+    # Without it, the same run is a success; the good file was indexed either way.
+    summary = ingest_flow(sources=[str(corpus)], collection="strict")
+    assert (summary["documents_seen"], summary["documents_skipped"]) == (1, 1)
+    assert summary["documents_failed"] == 1
 
 
 def test_a_flow_that_fails_on_purpose_logs_its_error_without_a_traceback(

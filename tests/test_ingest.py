@@ -588,6 +588,19 @@ def test_a_file_with_a_hash_sign_in_its_name_is_skipped_unchanged_and_deleted(
     assert gone.documents_deleted == 1
 
 
+def test_the_summary_tells_new_documents_from_changed_ones(harness: Harness) -> None:
+    # Nightly trial: "7 embedded, 5 deleted" did not say what had changed.
+    first = harness.run()
+    assert (first.documents_added, first.documents_updated) == (4, 0)
+    (harness.root / "beta.md").write_text("# Beta\n\nBeta was edited today.")
+    (harness.root / "epsilon.md").write_text("# Epsilon\n\nA new file.")
+    (harness.root / "notes" / "delta.md").rename(harness.root / "notes" / "river.md")
+    day2 = harness.run()
+    assert (day2.documents_embedded, day2.documents_added, day2.documents_updated) == (3, 2, 1)
+    assert day2.documents_deleted == 1  # delta.md, now river.md
+    assert day2.to_dict()["documents_added"] == 2
+
+
 def test_a_declared_encoding_reads_again_the_files_read_without_it(harness: Harness) -> None:
     # A sentence in cp1251 is too short for detection to be sure of (it read as
     # mac_cyrillic): the source says what it is, and files stamped without it are read.

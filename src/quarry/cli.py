@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from quarry.search import SearchResponse
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_INCOMPLETE = 4  # ingest --fail-on-failures: done, but some documents failed
 
 app = typer.Typer(
     name="quarry",
@@ -41,6 +42,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from quarry import __version__
+
+        typer.echo(f"quarry {__version__}")
+        raise typer.Exit(EXIT_OK)
+
+
+@app.callback()
+def _global_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Index documents into Qdrant with your own embedding models, and search them."""
+
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
 CollectionOption = Annotated[
@@ -248,6 +270,14 @@ def ingest(
         ),
     ] = False,
     encoding: EncodingOption = None,
+    fail_on_failures: Annotated[
+        bool,
+        typer.Option(
+            "--fail-on-failures",
+            help="Exit 4 (and end the flow run Failed) when a file or document could not be "
+            "indexed; the rest is indexed all the same.",
+        ),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Index PATHs: new and changed documents are embedded, unchanged ones skipped."""
@@ -279,17 +309,23 @@ def ingest(
         embedded_flow_runs(stopped, on_stop=_json_when_stopped, exit_when_stopped=True),
     ):
         from flows.ingest import ingest_flow
+        from quarry.errors import IngestIncomplete
 
-        summary = ingest_flow(
-            sources=[str(path) for path in paths],
-            collection=settings.collection,
-            full_sync=full_sync,
-            allow_mass_delete=allow_mass_delete,
-            include=include,
-            exclude=exclude,
-            reread=reread,
-            encoding=encoding,
-        )
+        incomplete: IngestIncomplete | None = None
+        try:
+            summary = ingest_flow(
+                sources=[str(path) for path in paths],
+                collection=settings.collection,
+                full_sync=full_sync,
+                allow_mass_delete=allow_mass_delete,
+                include=include,
+                exclude=exclude,
+                reread=reread,
+                encoding=encoding,
+                fail_on_failures=fail_on_failures,
+            )
+        except IngestIncomplete as error:  # the summary is printed all the same
+            incomplete, summary = error, error.summary
 
     def human() -> None:
         typer.echo(
@@ -297,7 +333,8 @@ def ingest(
             f"{summary['documents_skipped']} unchanged "
             f"({_count(summary['files_unread'], 'file')} not read), "
             f"{summary['documents_embedded']} embedded "
-            f"({_count(summary['chunks_embedded'], 'chunk')}, "
+            f"({summary['documents_added']} new, {summary['documents_updated']} changed; "
+            f"{_count(summary['chunks_embedded'], 'chunk')}, "
             + (f"{summary['chunks_reused']} reused, " if summary.get("chunks_reused") else "")
             + f"{_count(summary['embedding_requests'], 'request')}), "
             f"{summary['documents_deleted']} deleted, {summary['documents_failed']} failed"
@@ -308,6 +345,10 @@ def ingest(
             typer.echo(f"  note: {note}")
 
     _emit(as_json, summary, human)
+    if incomplete is not None:
+        # Not an error object on stdout: the summary there says what failed, and how much.
+        typer.echo(f"quarry: error: {incomplete}", err=True)
+        raise typer.Exit(EXIT_INCOMPLETE)
 
 
 @app.command()

@@ -19,6 +19,7 @@ can be traced to its cause without a debugger::
     ├── StoreError                  Qdrant (has ``collection``)
     │   ├── StoreLocked             another quarry process holds the index or its writers' slot
     │   └── WriteFailed             an upsert or delete was not acknowledged
+    ├── IngestIncomplete            a run that asked to fail on failures had some: exit 4
     └── Refused                     quarry will not do this: CLI exit 3, API 409
         ├── FingerprintMismatch     index made by another model
         ├── ServingChanged          same model, other engine; no parity recorded
@@ -28,7 +29,8 @@ can be traced to its cause without a debugger::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 class QuarryError(Exception):
@@ -127,6 +129,21 @@ class StoreLocked(StoreError):
 
 class WriteFailed(StoreError):
     """An upsert or delete was not acknowledged as completed."""
+
+
+class IngestIncomplete(QuarryError):
+    """An ingest finished, but some documents could not be indexed, and the run was asked
+    to fail for that (``fail_on_failures``): its ``summary`` is the finished run's."""
+
+    def __init__(self, collection: str, summary: Mapping[str, Any]) -> None:
+        self.collection = collection
+        self.summary = dict(summary)
+        failures = self.summary.get("failures") or []
+        first = f"; first: {failures[0]['uri']}: {failures[0]['error']}" if failures else ""
+        super().__init__(
+            f"ingest of {collection!r}: {self.summary.get('documents_failed', 0)} documents "
+            f"could not be indexed (fail on failures){first}"
+        )
 
 
 class Refused(QuarryError):

@@ -98,6 +98,7 @@ class BatchResult:
     """What writing one batch of documents did."""
 
     documents_embedded: int = 0
+    documents_added: int = 0  # of those embedded, the ones the collection did not hold
     chunks_embedded: int = 0
     tokens_embedded: int = 0
     # Chunks of re-written documents whose text the collection already held a vector for.
@@ -117,6 +118,10 @@ class IngestReport:
     # Files not even read: their mtime and size were those their documents came from.
     files_unread: int = 0
     documents_embedded: int = 0
+    # Of the embedded: new to the collection, and written again (their text or metadata
+    # changed, or the chunk settings did).
+    documents_added: int = 0
+    documents_updated: int = 0
     documents_deleted: int = 0
     documents_failed: int = 0
     chunks_embedded: int = 0
@@ -130,6 +135,8 @@ class IngestReport:
     def add(self, result: BatchResult) -> None:
         """Fold a batch's result into the totals."""
         self.documents_embedded += result.documents_embedded
+        self.documents_added += result.documents_added
+        self.documents_updated += result.documents_embedded - result.documents_added
         self.chunks_embedded += result.chunks_embedded
         self.chunks_reused += result.chunks_reused
         self.chunks_deleted += result.chunks_deleted
@@ -590,6 +597,8 @@ class IndexSync:
                 before = self._planned_documents.get(document.doc_id)
                 if before is not None:
                     result.chunks_deleted += sum(1 for index in before.indexes if index >= count)
+                else:
+                    result.documents_added += 1
                 result.documents_embedded += 1
                 result.chunks_embedded += count - reused
                 result.chunks_reused += reused

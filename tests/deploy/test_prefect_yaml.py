@@ -52,6 +52,8 @@ INGEST_PARAMETERS = {
     "include",
     "exclude",
     "reread",
+    "encoding",
+    "fail_on_failures",
 }
 REINDEX_PARAMETERS = {"collection", "from_source", "eval_dataset", "min_ndcg"}
 WORK_POOL = "quarry"
