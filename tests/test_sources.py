@@ -637,11 +637,33 @@ def test_utf8_text_with_a_few_stray_legacy_bytes_stays_utf8(
 
 
 @pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be"])
-def test_utf16_text_without_a_byte_order_mark_is_not_binary(tmp_path: Path, encoding: str) -> None:
-    text = "Exported by a tool that writes no byte order mark.\n" * 3
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Exported by a tool that writes no byte order mark.\n" * 3,
+        "Москва - столица России. Moscow is the capital.\n",  # i18n trial: "binary"
+        "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας.\n",
+    ],
+    ids=["ascii", "cyrillic", "greek"],
+)
+def test_utf16_text_without_a_byte_order_mark_is_not_binary(
+    tmp_path: Path, encoding: str, text: str
+) -> None:
     (tmp_path / "export.txt").write_bytes(text.encode(encoding))
     [doc] = load_document(tmp_path / "export.txt", open_source(tmp_path))
     assert doc.text == text
+
+
+def test_binary_data_with_nul_bytes_is_not_taken_for_utf16(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(7)
+    for n in range(50):
+        data = bytes(rng.randrange(256) for _ in range(2 * rng.randrange(8, 400)))
+        (tmp_path / f"blob{n}.txt").write_bytes(data[:3] + b"\x00" + data[4:])
+    found = list(iter_documents(open_source(tmp_path)))
+    assert len(found) == 50
+    assert all(isinstance(f, LoadFailure) and "binary" in f.error for f in found)
 
 
 def test_nul_bytes_past_the_first_8_kib_are_binary_too(tmp_path: Path) -> None:

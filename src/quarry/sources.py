@@ -68,7 +68,8 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # page without <main> loses its own banner, footer and sidebars; list items are one line
 # apart, nested ones indented, <ol start> kept. 4: PDF words hyphenated at a line end
 # are joined; ISO-2022 text read by its escapes; Greek and Hebrew code pages told apart
-# by the letters they read; HTML ruby readings (<rt>) dropped.
+# by the letters they read; HTML ruby readings (<rt>) dropped; BOM-less UTF-16 of one
+# script (Cyrillic, Greek) is text, not binary.
 LOADER_VERSION = 4
 
 # Content types by extension. A fixed table, not the mimetypes module: the
@@ -173,6 +174,12 @@ _NAMED_CONTENT_TYPES: dict[str, str] = {
 _TEXT_FALLBACK = "text/plain"
 
 _BINARY_SNIFF_BYTES = 8192
+# High bytes UTF-16 text of one script besides ASCII shows, at most (Cyrillic: 0x00, 0x04;
+# Japanese kana and kanji span more, and also 0x20 and 0x30 for punctuation).
+_UTF16_SCRIPT_BLOCKS = 48
+# Characters from ASCII (spaces, newlines, digits) any such text has: a line break every
+# 50 characters of Japanese is 2%.
+_UTF16_MIN_ASCII = 0.02
 _PREFERRED = "cp1252"
 _CHAOS_MARGIN = 0.05
 # Detection reads a few accented letters in mostly ASCII text ("Ångström" in
@@ -754,19 +761,38 @@ def _cp1252_byte(byte: int) -> str:
 
 
 def _bomless_utf16(data: bytes) -> tuple[str, str] | None:
-    """``data`` as UTF-16 without a byte order mark, when its NUL bytes are where the
-    high bytes of mostly-ASCII UTF-16 text fall (every other byte); else None."""
+    """``data`` as UTF-16 without a byte order mark, when it reads as text that way;
+    else None.
+
+    Either its NUL bytes are where the high bytes of mostly-ASCII UTF-16 fall (every
+    other byte), or its high bytes come from a few blocks of one script (Cyrillic is
+    ``0x04``, Greek ``0x03``) and ASCII's spaces and newlines (``0x00``), and it
+    decodes to printable text. Binary
+    data with NUL bytes fails both: its high bytes are all over, and pairs of them
+    read as lone surrogates, which do not decode.
+    """
     if len(data) < 4 or len(data) % 2:
         return None
     sample = data[: _BINARY_SNIFF_BYTES * 2]
-    for encoding, zeros, other in (("utf-16-le", 1, 0), ("utf-16-be", 0, 1)):
-        if sample[zeros::2].count(0) < 0.9 * (len(sample) // 2) or 0 in sample[other::2]:
-            continue
+    for encoding, high, low in (("utf-16-le", 1, 0), ("utf-16-be", 0, 1)):
+        highs = sample[high::2]
+        if 0 in sample[low::2] and highs.count(0) < 0.9 * len(highs):
+            continue  # a NUL where a character's low byte is: not UTF-16 text
+        ascii_share = highs.count(0) / len(highs)
+        if ascii_share < 0.9 and (
+            len(set(highs)) > _UTF16_SCRIPT_BLOCKS or ascii_share < _UTF16_MIN_ASCII
+        ):
+            continue  # not one script's text: it has no spaces, newlines or digits either
         try:
             text = data.decode(encoding)
         except UnicodeDecodeError:
             continue
-        if "\x00" not in text:
+        if "\x00" in text:
+            continue
+        shown = sum(
+            1 for char in text[:_BINARY_SNIFF_BYTES] if char.isprintable() or char in "\t\n\r\f"
+        )
+        if shown >= 0.98 * min(len(text), _BINARY_SNIFF_BYTES):
             return text, encoding
     return None
 
