@@ -110,8 +110,16 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
         with ExitStack() as held:
             try:
                 held.enter_context(
-                    concurrency(name, occupy=1, strict=False, max_retries=None if wait else 0)
+                    concurrency(
+                        name,
+                        occupy=1,
+                        strict=False,
+                        max_retries=None if wait else 0,
+                        timeout_seconds=settings.writer_wait if wait else None,
+                    )
                 )
+            except TimeoutError:
+                raise _waited_too_long(settings, collection) from None
             except ConcurrencySlotAcquisitionError as error:
                 # Prefect raises this for every failure to take the slot: only a 423 is
                 # a slot another run holds (a flow, retrying for ever, never sees one).
@@ -147,14 +155,27 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
                 f"{settings.data_dir}; try again when it has finished",
             ) from None
         get_run_logger().warning(
-            "another ingest or reindex is writing to local-mode Qdrant in %s; waiting for it",
+            "another ingest or reindex is writing to local-mode Qdrant in %s; waiting for it"
+            + ("" if settings.writer_wait is None else f" (at most {settings.writer_wait:g}s)"),
             settings.data_dir,
         )
-        lock.acquire()
+        try:
+            lock.acquire(timeout=-1 if settings.writer_wait is None else settings.writer_wait)
+        except Timeout:
+            raise _waited_too_long(settings, collection) from None
     try:
         yield
     finally:
         lock.release()
+
+
+def _waited_too_long(settings: Settings, collection: str) -> StoreLocked:
+    return StoreLocked(
+        collection,
+        f"another ingest or reindex of {collection!r} was still writing after "
+        f"{settings.writer_wait:g}s (QUARRY_WRITER_WAIT); nothing was read or written: "
+        "run again when it has finished",
+    )
 
 
 def _not_a_refused_slot(record: logging.LogRecord) -> bool:

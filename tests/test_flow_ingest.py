@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -349,3 +350,41 @@ def test_collections_whose_names_differ_only_in_case_or_underscores_keep_apart_a
     assert len(keys) == 4
     assert _artifact_key("my-docs") == "ingest-my-docs"
     assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
+
+
+def test_a_writer_that_waits_past_quarry_writer_wait_gives_up_naming_it(
+    tmp_path: Path, tei: LocalTEIServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nightly trial: a second ingest on the same data waited for ever, so cron jobs
+    # piled up without a word.
+    from filelock import FileLock
+
+    from flows.ingest import ingest_flow
+    from quarry.config import Settings
+    from quarry.errors import StoreLocked
+    from quarry.store import writer_lock_path
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    monkeypatch.setenv("QUARRY_DATA_DIR", str(tmp_path / "d"))
+    monkeypatch.setenv("QUARRY_WRITER_WAIT", "0.5")
+    corpus = write_corpus(tmp_path / "kb", {"a.md": "# A\n\nText."})
+    lock = writer_lock_path(Settings(data_dir=tmp_path / "d"))
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    held, done = threading.Event(), threading.Event()
+
+    def other_writer() -> None:  # as another process's ingest holds it
+        with FileLock(str(lock)):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=other_writer)
+    holder.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(StoreLocked, match=r"after 0.5s \(QUARRY_WRITER_WAIT\)"):
+            ingest_flow(sources=[str(corpus)], collection="waits")
+    finally:
+        done.set()
+        holder.join()
+    monkeypatch.delenv("QUARRY_WRITER_WAIT")
+    assert ingest_flow(sources=[str(corpus)], collection="waits")["documents_embedded"] == 1

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     # Ingestion.
     workers: int = Field(4, ge=1, le=64)
     max_delete_fraction: float = Field(0.3, ge=0, le=1)
+    # Seconds an ingest or reindex waits for another writer of its collection to finish
+    # before it gives up (StoreLocked); None waits as long as it takes.
+    writer_wait: float | None = Field(None, ge=0)
     allow_serving_change: bool = False
     canary_min_cosine: float = Field(0.999, ge=-1, le=1)
     # Skip reading a file whose mtime and size are those its documents were indexed from.
