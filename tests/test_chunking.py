@@ -406,6 +406,11 @@ def test_overlap_starts_at_a_line_start_when_one_keeps_half_of_it(
         assert text[after.char_start - 1] == "\n", repr(after.text[:40])
         assert after.text.startswith("| ")
         assert tiktoken_count(text[after.char_start : before.char_end]) >= 16
+    # Review: the same when a row's tokens are estimated (a CJK stop inside it).
+    cjk_rows = [f"| {i} | 東京。大阪 | a fairly long description of item {i} |" for i in range(80)]
+    cjk_text = "\n".join(cjk_rows) + "\n"
+    later = chunks_of(cjk_text, 128, 32)[1:]
+    assert len(later) > 4 and all(c.text.startswith("| ") for c in later)
     # Prose has no line start in its tail: the overlap still starts at a word.
     prose = " ".join(f"Sentence {i} is here." for i in range(200))
     assert all(c.text.startswith(" ") for c in chunks_of(prose, 64, 32)[1:])
@@ -607,7 +612,7 @@ def _starts_a_cluster(text: str, pos: int) -> bool:
         return False
     if "\u1161" <= char <= "\u11ff" and "\u1100" <= before <= "\u11ff":
         return False
-    run = 0  # regional indicators before pos, in one run
+    run = 0  # regional indicators before pos, in one run (counted: tests need no speed)
     while run < pos and "\U0001f1e6" <= text[pos - 1 - run] <= "\U0001f1ff":
         run += 1
     return not ("\U0001f1e6" <= char <= "\U0001f1ff" and run % 2)
@@ -622,8 +627,12 @@ def _starts_a_cluster(text: str, pos: int) -> bool:
         "\u1112\u1161\u11ab\u1100\u1173\u11af" * 800,
         THAI * 40,
         "🇩🇪🇫🇷🇯🇵🇰🇷🇨🇳" * 60,
+        # Review: past a window of 16,384 characters with no boundary at all, cut by
+        # characters; and flags past 4,096 indicators from one character in.
+        "👨\u200d👩\u200d👧\u200d👦" * 2436,
+        "x" + "🇩🇪" * 12000,
     ],
-    ids=["family-emoji", "stacked-marks", "jamo", "thai", "flags"],
+    ids=["family-emoji", "stacked-marks", "jamo", "thai", "flags", "long-family", "long-flags"],
 )
 def test_chunks_without_spaces_start_and_end_between_characters(text: str, overlap: int) -> None:
     # Cut by token windows: the cut landed on a bare joiner, mark or jamo, or split a flag.

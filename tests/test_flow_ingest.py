@@ -388,3 +388,19 @@ def test_a_writer_that_waits_past_quarry_writer_wait_gives_up_naming_it(
         holder.join()
     monkeypatch.delenv("QUARRY_WRITER_WAIT")
     assert ingest_flow(sources=[str(corpus)], collection="waits")["documents_embedded"] == 1
+
+
+def test_an_incomplete_ingest_keeps_its_summary_when_stored_and_loaded() -> None:
+    # Review: Prefect may pickle a failed run's exception; the summary must survive it.
+    import pickle
+
+    from quarry.errors import IngestIncomplete
+
+    summary = {"documents_failed": 1, "failures": [{"uri": "kb/bad.md", "error": "binary"}]}
+    loaded = pickle.loads(pickle.dumps(IngestIncomplete("kb", summary)))
+    assert (loaded.collection, loaded.summary, str(loaded)) == (
+        "kb",
+        summary,
+        "ingest of 'kb': 1 documents could not be indexed (fail on failures); first: "
+        "kb/bad.md: binary",
+    )

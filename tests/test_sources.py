@@ -654,6 +654,41 @@ def test_utf16_text_without_a_byte_order_mark_is_not_binary(
     assert doc.text == text
 
 
+def test_bomless_ascii_utf16_with_control_characters_is_still_text(tmp_path: Path) -> None:
+    # Review: a colourised log exported as UTF-16 became "binary" with the one-script rule.
+    text = "\x1b[31merror\x1b[0m: disk full\n" * 20
+    (tmp_path / "log.txt").write_bytes(text.encode("utf-16-le"))
+    [doc] = load_document(tmp_path / "log.txt", open_source(tmp_path))
+    assert doc.text == text
+
+
+def test_iso2022_text_with_nul_bytes_is_binary(tmp_path: Path) -> None:
+    (tmp_path / "odd.txt").write_bytes(b"\x1b$B\x1b(Bhello\x00\x00world")
+    [failure] = list(iter_documents(open_source(tmp_path)))
+    assert isinstance(failure, LoadFailure) and "binary" in failure.error
+
+
+def test_a_declared_utf16_encoding_reads_cjk_text_that_has_nul_bytes(tmp_path: Path) -> None:
+    # Review: the NUL sniff ran first, so --encoding utf-16-le could not read it.
+    text = "東京は日本の首都です。 大阪は西にあります。\n" * 40
+    (tmp_path / "jp.txt").write_bytes(text.encode("utf-16-le"))
+    [doc] = load_document(tmp_path / "jp.txt", open_source(tmp_path, encoding="UTF-16-LE"))
+    assert (doc.text, doc.metadata["encoding"]) == (text, "utf_16_le")
+
+
+@pytest.mark.parametrize("name", ["undefined", "unicode_escape", "idna", "klingon", "rot13"])
+def test_an_encoding_that_is_no_character_set_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"not a text encoding|unknown encoding"):
+        open_source(Path("."), encoding=name)
+
+
+def test_a_declared_encoding_takes_the_name_detection_reports(tmp_path: Path) -> None:
+    # Review: ISO-8859-7 declared was "iso8859-7", detected "iso8859_7": the same file's
+    # indexed metadata, and so its hash, changed with the way it was read.
+    assert open_source(tmp_path, encoding="ISO-8859-7").encoding == "iso8859_7"
+    assert open_source(tmp_path, encoding="koi8-r").encoding == "koi8_r"
+
+
 def test_binary_data_with_nul_bytes_is_not_taken_for_utf16(tmp_path: Path) -> None:
     import random
 

@@ -311,12 +311,13 @@ _HANGUL_JOINS = frozenset(
 )
 
 
-# How far back a flag's pairing is worked out; a longer run of regional indicators
-# counts as "inside" everywhere (erring on the safe side, at no quadratic cost).
+# How far back a flag's pairing is worked out when no ``start`` bounds it; a longer run
+# of regional indicators counts as "inside" everywhere (erring on the safe side, at no
+# quadratic cost).
 _FLAG_RUN_CAP = 4096
 
 
-def _inside_cluster(text: str, pos: int) -> bool:
+def _inside_cluster(text: str, pos: int, start: int | None = None) -> bool:
     """Whether ``text[pos]`` belongs with the character before it.
 
     A combining mark, a joiner, a variation selector, an emoji modifier or tag,
@@ -324,17 +325,20 @@ def _inside_cluster(text: str, pos: int) -> bool:
     width joiner, a Thai or Lao SARA AM, a conjoining Hangul jamo that continues
     a syllable, a letter after a virama (an Indic conjunct), or the newline of a
     ``\\r\\n``: an overlap that starts at a token boundary does not start there.
-    Errs on the side of "inside": such a place is only skipped.
+    Errs on the side of "inside": such a place is only skipped. Flags pair their
+    indicators from the run's start, or from ``start`` (a place known to start a
+    character, as a window's start is) when that is nearer.
     """
     char, before = text[pos], text[pos - 1]
     if before == "\u200d" or (before == "\r" and char == "\n"):
         return True
     if "\U0001f1e6" <= char <= "\U0001f1ff" and "\U0001f1e6" <= before <= "\U0001f1ff":
         # Flags pair the indicators from the run's start: inside after an odd number.
+        floor, cap = (0, _FLAG_RUN_CAP) if start is None else (start, len(text))
         run, i = 1, pos - 2
-        while i >= 0 and "\U0001f1e6" <= text[i] <= "\U0001f1ff" and run < _FLAG_RUN_CAP:
+        while i >= floor and "\U0001f1e6" <= text[i] <= "\U0001f1ff" and run < cap:
             run, i = run + 1, i - 1
-        return run % 2 == 1 or run >= _FLAG_RUN_CAP
+        return run % 2 == 1 or run >= cap
     if char in _SPACING_LETTERS:
         return True
     if unicodedata.combining(before) == 9 and unicodedata.category(char)[0] == "L":
@@ -1017,6 +1021,14 @@ class Chunker:
                 if last > 0:
                     cut, cut_level, cut_seam = last, lvl, _additive(text, last)
                     break
+            if cut_level == TOKEN:
+                # No boundary: a cut between characters, not inside an emoji sequence,
+                # a mark's letter or a flag (the window's start is between two).
+                back = cut
+                while back > lo and _inside_cluster(text, back, start):
+                    back -= 1
+                if back > lo:
+                    cut = back
             yield start, cut, level, seam
             start, level, seam = cut, cut_level, cut_seam
         yield start, end, level, seam
@@ -1224,10 +1236,10 @@ class Chunker:
                     if len(piece) <= limit or cut == pos + 1:
                         break
                     k = max(1, k - max(1, len(piece) - limit))
-                if cut < e and _inside_cluster(segment, cut):
+                if cut < e and _inside_cluster(segment, cut, pos):
                     # Not inside a character: an emoji sequence, a syllable, a mark.
                     back = cut - 1
-                    while back > pos and _inside_cluster(segment, back):
+                    while back > pos and _inside_cluster(segment, back, pos):
                         back -= 1
                     if back > pos:
                         shorter = enc.encode_ordinary(segment[pos:back])
@@ -1461,7 +1473,7 @@ class _Packer:
         places = {m.start() for m in _OVERLAP_START.finditer(text, lo, cut)}
         places.update(m.end() for m in _SENTENCE_CUT.finditer(text, lo, cut))
         for place in sorted(places):
-            if not floor < place < cut or _inside_cluster(text, place):
+            if not floor < place < cut or _inside_cluster(text, place, floor):
                 continue
             # Tokens of the window from ``place`` on: an estimate, to skip the long ones.
             if ntoks - bisect.bisect_right(ends, byte_of[place - lo]) > budget + 2:
@@ -1480,7 +1492,7 @@ class _Packer:
             if index is None:
                 continue  # inside a character
             place = lo + index
-            if place <= floor or _inside_cluster(text, place):
+            if place <= floor or _inside_cluster(text, place, floor):
                 continue
             count = _tail_tokens(text, place, cut)
             if count is None:
@@ -1540,11 +1552,22 @@ class _Packer:
         # The tail tokens are estimates: find a place by text and count it.
         nbytes = len(get_encoding().decode_bytes(tail))
         start = cut - _tail_chars_for_bytes(text[max(floor, cut - nbytes) : cut], nbytes)
+        fit: tuple[int, int] | None = None  # the earliest, unless a line start keeps enough
         for m in _OVERLAP_START.finditer(text, max(start, floor + 1), cut):
+            at_line = text[m.start() - 1] == "\n"
+            if fit is not None and not at_line:
+                continue
             count = count_tokens(text[m.start() : cut])
-            if count <= limit:
-                return m.start(), count
-        return nxt.start, 0
+            if count > limit:
+                continue
+            if fit is None:
+                fit = m.start(), count
+                if not at_line:
+                    continue
+            elif count >= (limit + 1) // 2:
+                fit = m.start(), count
+            break
+        return fit or (nxt.start, 0)
 
     def _overlap_from_pieces(
         self, spec: _Spec, nxt: _Unit, floor: int, limit: int

@@ -145,6 +145,10 @@ class IngestIncomplete(QuarryError):
             f"could not be indexed (fail on failures){first}"
         )
 
+    def __reduce__(self) -> tuple[type[IngestIncomplete], tuple[str, dict[str, Any]]]:
+        # Prefect may store a failed run's exception and load it again: keep the summary.
+        return type(self), (self.collection, self.summary)
+
 
 class Refused(QuarryError):
     """quarry refuses to go on because the result would be wrong or destructive (exit 3)."""

@@ -285,6 +285,12 @@ def _escape_glob(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
+# Text codecs Python has that are no character set a file is written in.
+_NOT_CHARSETS = frozenset(
+    {"undefined", "unicode-escape", "raw-unicode-escape", "idna", "punycode", "mbcs", "oem"}
+)
+
+
 def checked_encoding(name: str) -> str:
     """Python's name for the text encoding ``name`` (``CP1251`` is ``cp1251``); ConfigError
     for one Python does not know, or for a codec that is not a text encoding."""
@@ -295,9 +301,10 @@ def checked_encoding(name: str) -> str:
             f"unknown encoding {name!r}: give one Python knows, such as cp1251, shift_jis, "
             "gb18030 or iso8859_7"
         ) from None
-    if not getattr(info, "_is_text_encoding", True):
+    if not getattr(info, "_is_text_encoding", True) or info.name in _NOT_CHARSETS:
         raise ConfigError(f"{name!r} is not a text encoding")
-    return info.name
+    # The codec module's name (iso8859_7, koi8_r), as detection reports encodings.
+    return info.name.replace("-", "_")
 
 
 @dataclass(frozen=True)
@@ -789,12 +796,31 @@ def _bomless_utf16(data: bytes) -> tuple[str, str] | None:
             continue
         if "\x00" in text:
             continue
+        if ascii_share >= 0.9:
+            return text, encoding  # mostly ASCII: its NULs are where they must be
         shown = sum(
             1 for char in text[:_BINARY_SNIFF_BYTES] if char.isprintable() or char in "\t\n\r\f"
         )
         if shown >= 0.98 * min(len(text), _BINARY_SNIFF_BYTES):
             return text, encoding
     return None
+
+
+def _decode_declared(data: bytes, uri: str, declared: str) -> tuple[str, str]:
+    """``data`` in the encoding its source declared; UnreadableDocument when it is not."""
+    try:
+        text = data.decode(declared)
+    except UnicodeError as exc:
+        where = f" at byte {exc.start}" if isinstance(exc, UnicodeDecodeError) else ""
+        reason = exc.reason if isinstance(exc, UnicodeDecodeError) else str(exc)
+        raise _fail(
+            uri,
+            f"cannot decode text: tried utf-8, utf-8-sig and {declared} (the source's "
+            f"encoding): {reason}{where}",
+        ) from None
+    if "\x00" in text:
+        raise _fail(uri, f"binary file (NUL characters read as {declared}), skipped")
+    return text, declared
 
 
 def _more_letters(data: bytes, detected: str, sibling: str) -> str:
@@ -824,8 +850,10 @@ def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[
                 text = data.decode(encoding)
             except UnicodeDecodeError:
                 continue
-            if "\x1b" not in text:
+            if "\x1b" not in text and "\x00" not in text:
                 return text, encoding
+    if declared is not None and declared.startswith(("utf_16", "utf_32")) and not wide_bom:
+        return _decode_declared(data, uri, declared)
     if not wide_bom and b"\x00" in data:
         wide = _bomless_utf16(data)
         if wide is not None:
@@ -843,14 +871,7 @@ def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[
         if repaired is not None:
             return repaired
     if declared is not None and not wide_bom:
-        try:
-            return data.decode(declared), declared
-        except UnicodeDecodeError as exc:
-            raise _fail(
-                uri,
-                f"cannot decode text: tried utf-8, utf-8-sig and {declared} (the source's "
-                f"encoding): {exc.reason} at byte {exc.start}",
-            ) from None
+        return _decode_declared(data, uri, declared)
     from charset_normalizer import from_bytes
 
     results = from_bytes(data)
@@ -1116,11 +1137,12 @@ def _bomb(what: str, size: int) -> str:
     )
 
 
-# A word broken at a line end by the typesetter: a letter, a hyphen (ASCII, U+2010 or
-# a soft hyphen), the line break, and a letter that starts the next line.
-_LINE_END_HYPHEN = re.compile(r"(?<=[^\W\d_])[-\u2010\u00ad][ \t]*\n[ \t]*(?=[^\W\d_])")
-_WORD_BEFORE = re.compile(r"[^\W\d_]+$")
-_WORD_AFTER = re.compile(r"[^\W\d_]+")
+# A word broken at a line end by the typesetter: its letters, a hyphen (ASCII, U+2010 or
+# a soft hyphen), the line break, and the letters that start the next line (looked at,
+# not taken: they may end with the next break).
+_LINE_END_HYPHEN = re.compile(
+    r"(?<![^\W\d_])([^\W\d_]+)([-\u2010\u00ad])[ \t]*\n[ \t]*(?=([^\W\d_]+))"
+)
 _HYPHENATED_WORD = re.compile(r"[^\W\d_]+-[^\W\d_]+")
 
 
@@ -1132,7 +1154,7 @@ def join_hyphenated_lines(text: str) -> str:
     break goes but the hyphen stays when the text writes the word with a hyphen
     elsewhere (``well-known``); nothing changes when the next line starts with a
     capital (``Jean-`` / ``Pierre``) or the hyphen follows a digit (``10-`` / ``20``).
-    A soft hyphen (U+00AD) always goes.
+    A soft hyphen (U+00AD) always goes. Linear in the text.
     """
     if "\n" not in text:
         return text
@@ -1140,16 +1162,14 @@ def join_hyphenated_lines(text: str) -> str:
 
     def join(match: re.Match[str]) -> str:
         nonlocal hyphenated
-        if text[match.start()] == "\u00ad":
-            return ""
-        if not text[match.end()].islower():
+        before, hyphen, after = match.groups()
+        if hyphen == "\u00ad":
+            return before
+        if not after[0].islower():
             return match.group()
-        before = _WORD_BEFORE.search(text, 0, match.start())
-        after = _WORD_AFTER.match(text, match.end())
-        assert before is not None and after is not None  # the pattern's lookarounds
         if hyphenated is None:
             hyphenated = {word.lower() for word in _HYPHENATED_WORD.findall(text)}
-        return "-" if f"{before.group()}-{after.group()}".lower() in hyphenated else ""
+        return before + ("-" if f"{before}-{after}".lower() in hyphenated else "")
 
     return _LINE_END_HYPHEN.sub(join, text)
 
