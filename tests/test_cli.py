@@ -187,14 +187,17 @@ def test_chunk_names_the_page_of_each_pdf_chunk(tmp_path: Path) -> None:
     assert "Second page" in chunks[1]["text"]
 
 
+def ingest_env(tmp_path: Path, url: str, prefect_api: str) -> dict[str, str]:
+    """The environment of CLI calls on a data folder of their own under ``tmp_path``,
+    embedding with the service at ``url``, on the test harness's Prefect server."""
+    data = str(tmp_path / "d")
+    return {"QUARRY_DATA_DIR": data, "QUARRY_EMBED_URL": url, "PREFECT_API_URL": prefect_api}
+
+
 def test_ingest_query_status_round_trip(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    env = {
-        "QUARRY_DATA_DIR": str(tmp_path / "d"),
-        "QUARRY_EMBED_URL": tei.url,
-        "PREFECT_API_URL": prefect_api,
-    }
+    env = ingest_env(tmp_path, tei.url, prefect_api)
     corpus = write_corpus(
         tmp_path / "kb",
         {
@@ -239,11 +242,7 @@ def test_ingest_query_status_round_trip(
 def test_ingest_fail_on_failures_exits_4_with_the_summary_on_stdout(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
-    env = {
-        "QUARRY_DATA_DIR": str(tmp_path / "d"),
-        "QUARRY_EMBED_URL": tei.url,
-        "PREFECT_API_URL": prefect_api,
-    }
+    env = ingest_env(tmp_path, tei.url, prefect_api)
     corpus = write_corpus(tmp_path / "kb", {"good.md": "# Good\n\nIndexed all the same."})
     (corpus / "bad.md").write_bytes(b"a\x00b")
     strict = run(["ingest", str(corpus), "--fail-on-failures", "--json"], env)
@@ -261,8 +260,7 @@ def test_ingest_fail_on_failures_exits_4_with_the_summary_on_stdout(
 def ingested(tmp_path: Path, url: str, prefect_api: str, files: dict[str, str]) -> dict[str, str]:
     """Index ``files`` (folder kb) with the service at ``url``; the environment used."""
     corpus = write_corpus(tmp_path / "kb", files)
-    env = {"QUARRY_DATA_DIR": str(tmp_path / "d"), "QUARRY_EMBED_URL": url}
-    env["PREFECT_API_URL"] = prefect_api
+    env = ingest_env(tmp_path, url, prefect_api)
     done = run(["ingest", str(corpus)], env)
     assert done.returncode == 0, done.stderr
     return env
@@ -616,11 +614,7 @@ def test_a_source_with_no_file_to_index_says_so(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:
     (tmp_path / "empty").mkdir()
-    env = {
-        "QUARRY_DATA_DIR": str(tmp_path / "d"),
-        "QUARRY_EMBED_URL": tei.url,
-        "PREFECT_API_URL": prefect_api,
-    }
+    env = ingest_env(tmp_path, tei.url, prefect_api)
     result = run(["ingest", str(tmp_path / "empty"), "--json"], env)
     assert result.returncode == 0, result.stderr
     notes = json.loads(result.stdout)["notes"]
