@@ -206,11 +206,18 @@ def _token_tables() -> tuple[tuple[int, ...], bytes, bytes, bytes, bytes]:
 @functools.cache
 def _piece_counts() -> PieceCounts:
     encoding = get_encoding()
-    # BPE of one piece without running the pattern again: twice as fast a miss.
-    single_piece = getattr(encoding, "_encode_single_piece", None)
-    if single_piece is None:  # pragma: no cover - every tiktoken since 0.3 has it
+    core = getattr(encoding, "_core_bpe", None)
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    if core is None or not isinstance(ranks, dict):  # pragma: no cover - tiktoken >= 0.3 has both
         return PieceCounts(lambda piece: len(encoding.encode_ordinary(piece)))
-    return PieceCounts(lambda piece: len(single_piece(piece.encode("utf-8"))))
+    bpe = core.encode_single_piece  # one piece's BPE, without running the pattern again
+
+    def count(piece: str) -> int:
+        data = piece.encode("utf-8")
+        # As tiktoken's encoder does: a piece that is a token needs no BPE (half the misses).
+        return 1 if data in ranks else len(bpe(data))
+
+    return PieceCounts(count)
 
 
 def forget_piece_counts() -> None:
