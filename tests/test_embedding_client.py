@@ -407,6 +407,35 @@ def test_a_rerank_score_that_is_not_a_finite_number_is_a_bad_response() -> None:
     assert URL in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('[{"index": 1e999, "score": 1}, {"index": 0, "score": 1}]', "rerank index inf"),
+        ('[{"index": 1.5, "score": 1}, {"index": 0, "score": 1}]', "rerank index 1.5"),
+        ('[{"index": true, "score": 1}, {"index": 0, "score": 1}]', "rerank index True"),
+        ('[{"score": 1}, {"index": 0, "score": 1}]', "rerank index None"),
+        ('[{"index": 0, "score": 1}, {"index": 0, "score": 2}]', "scores index 0 twice"),
+        ('[{"index": 0, "score": "high"}, {"index": 1, "score": 1}]', "score 'high' is not"),
+        ('[{"index": 0, "score": [1]}, {"index": 1, "score": 1}]', r"score \[1\] is not"),
+        ('[{"index": 0, "score": true}, {"index": 1, "score": 1}]', "score True is not"),
+        ('[0.5, 0.25]', "rerank item 0.5 is not an object"),
+        ('[{"index": 0, "score": 1}]', "no score for 1 of 2 texts"),
+    ],
+)
+def test_a_malformed_rerank_answer_is_a_bad_response_saying_what_is_wrong(
+    body: str, message: str
+) -> None:
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path != "/rerank":
+            return None
+        return httpx2.Response(200, content=body.encode())
+
+    fake = FakeTEI(script=script)
+    reranker = RerankClient(URL, transport=httpx2.MockTransport(fake), retry=NO_WAIT)
+    with pytest.raises(BadResponse, match=message):
+        reranker.score("q", ["a", "b"])
+
+
 def test_no_retry_waits_past_the_budget_even_when_the_server_asks() -> None:
     from quarry._http import TransientFailure
 
@@ -442,3 +471,24 @@ def test_a_request_on_a_closed_client_is_abandoned_not_retried_as_cannot_connect
     with pytest.raises(CancelledError):
         client.embed_raw(["passage"])
     assert retried == []
+
+
+def test_an_html_error_page_is_reported_by_its_title_not_its_markup() -> None:
+    page = (
+        "<html>\r\n<head><title>502 Bad&nbsp;Gateway</title></head>\r\n<body>"
+        "<center><h1>502 Bad Gateway</h1></center><hr><center>edge-7.internal.example"
+        "</center></body></html>"
+    )
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path != "/rerank":
+            return None
+        return httpx2.Response(400, text=page, headers={"content-type": "text/html"})
+
+    fake = FakeTEI(script=script)
+    reranker = RerankClient(URL, transport=httpx2.MockTransport(fake), retry=NO_WAIT)
+    with pytest.raises(RequestRejected) as caught:
+        reranker.score("q", ["a"])
+    message = str(caught.value)
+    assert "HTTP 400: an HTML page ('502 Bad Gateway'), from a proxy or gateway" in message
+    assert "internal.example" not in message and "<" not in message

@@ -34,8 +34,10 @@ from quarry._http import (
     TransientFailure,
     async_http_client,
     gave_up,
+    info_timeout,
     json_answer,
     raise_for_status,
+    timeout_reason,
 )
 from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
 from quarry.embeddings import (
@@ -191,7 +193,7 @@ async def asend(
     try:
         response = await client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
-        raise TransientFailure(url, f"timed out: {error}", status=None, retry_after=None) from error
+        raise TransientFailure(url, timeout_reason(error), status=None, retry_after=None) from error
     except httpx2.TransportError as error:
         raise TransientFailure(
             url, f"cannot connect: {error}", status=None, retry_after=None
@@ -228,10 +230,10 @@ async def afetch_info(
 
     async def attempt() -> dict[str, Any] | None:
         try:
-            response = await client.get(target)
+            response = await client.get(target, timeout=info_timeout(client.timeout, policy))
         except httpx2.TimeoutException as error:
             raise TransientFailure(
-                target, f"timed out: {error}", status=None, retry_after=None
+                target, timeout_reason(error), status=None, retry_after=None
             ) from error
         except httpx2.TransportError as error:
             raise TransientFailure(
@@ -388,7 +390,7 @@ class AsyncEmbeddingClient:
                 )
             except openai.APITimeoutError as error:
                 raise TransientFailure(
-                    url, f"timed out: {error}", status=None, retry_after=None
+                    url, timeout_reason(error), status=None, retry_after=None
                 ) from error
             except openai.APIConnectionError as error:
                 raise TransientFailure(

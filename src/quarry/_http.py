@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import email.utils
 import functools
+import html
 import json
 import logging
 import random
+import re
 import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -185,6 +187,35 @@ class _RetryAfterOrBackoff(tenacity.wait.wait_base):
         return wait
 
 
+# TEI answers /info from its router, never from behind the inference queue: an attempt
+# slower than this, or than the caller's whole retry budget, is a service in trouble,
+# not one at work (the client's own timeout is sized for embedding a batch).
+INFO_TIMEOUT_S = 5.0
+
+
+def info_timeout(client_timeout: httpx2.Timeout, policy: RetryPolicy) -> httpx2.Timeout:
+    """The timeout of one ``/info`` attempt: the client's, capped at INFO_TIMEOUT_S and
+    at the retry budget (but at least a second)."""
+    limit = min(INFO_TIMEOUT_S, max(1.0, policy.budget))
+    read = client_timeout.read
+    return httpx2.Timeout(limit if read is None else min(read, limit))
+
+
+_TIMEOUT_STAGES = {
+    "ConnectTimeout": "connecting",
+    "ReadTimeout": "waiting for the answer",
+    "WriteTimeout": "sending the request",
+    "PoolTimeout": "waiting for a free connection",
+}
+
+
+def timeout_reason(error: BaseException) -> str:
+    """What a timeout from the HTTP client says, also when its own text is empty."""
+    stage = _TIMEOUT_STAGES.get(type(error).__name__)
+    said = str(error)
+    return "timed out" + (f" {stage}" if stage else "") + (f": {said}" if said else "")
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
     if not value:
@@ -198,12 +229,21 @@ def parse_retry_after(value: str | None) -> float | None:
         return max(0.0, parsed.timestamp() - time.time())
 
 
+_HTML_PAGE = re.compile(r"\s*<(?:!doctype\s+html|html|head|body|title|center|h1)\b", re.I)
+_HTML_TITLE = re.compile(r"<title[^>]*>([^<]*)</title>", re.I)
+
+
 def error_message(body: bytes | str) -> str:
     """The human part of an error body: TEI's ``error``, OpenAI's ``message``, or the text."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         parsed = json.loads(text)
     except ValueError:
+        if _HTML_PAGE.match(text):
+            # A proxy's or gateway's page (it may name internal hosts): its title only.
+            title = _HTML_TITLE.search(text[:4096])
+            named = f" ({' '.join(html.unescape(title[1]).split())[:100]!r})" if title else ""
+            return f"an HTML page{named}, from a proxy or gateway in front of the service"
         return text.strip()[:500] or "(empty body)"
     if isinstance(parsed, dict):
         for key in ("error", "message", "detail"):
@@ -237,7 +277,7 @@ def raise_for_status(
         raise InputTooLong(url, f"HTTP 422: {message}", status=status, documents=documents)
     if dialect_hint and (status in (404, 405) or (status == 422 and "missing field" in message)):
         raise DialectMismatch(
-            url, f"HTTP 422: {message}. {dialect_hint}", status=status, documents=documents
+            url, f"HTTP {status}: {message}. {dialect_hint}", status=status, documents=documents
         )
     if status in (401, 403):
         raise RequestRejected(
@@ -307,7 +347,7 @@ def send(
         response = client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
         raise TransientFailure(
-            url, f"timed out: {error}", status=None, retry_after=None, timed_out=answer_late(error)
+            url, timeout_reason(error), status=None, retry_after=None, timed_out=answer_late(error)
         ) from error
     except httpx2.TransportError as error:
         if client.is_closed:

@@ -41,9 +41,11 @@ from quarry._http import (
     answer_late,
     call_with_retries,
     http_client,
+    info_timeout,
     json_answer,
     raise_for_status,
     request_json,
+    timeout_reason,
 )
 from quarry._pacing import Pacer
 from quarry.config import DEFAULT_QUERY_TASK
@@ -150,10 +152,10 @@ def fetch_info(
 
     def attempt() -> dict[str, Any] | None:
         try:
-            response = client.get(target)
+            response = client.get(target, timeout=info_timeout(client.timeout, policy))
         except httpx2.TimeoutException as error:
             raise TransientFailure(
-                target, f"timed out: {error}", status=None, retry_after=None
+                target, timeout_reason(error), status=None, retry_after=None
             ) from error
         except httpx2.TransportError as error:
             raise TransientFailure(
@@ -627,7 +629,7 @@ class EmbeddingClient:
             except openai.APITimeoutError as error:
                 raise TransientFailure(
                     url,
-                    f"timed out: {error}",
+                    timeout_reason(error),
                     status=None,
                     retry_after=None,
                     timed_out=answer_late(error.__cause__),

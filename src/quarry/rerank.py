@@ -173,20 +173,32 @@ def query_too_long(error: InputTooLong) -> QueryTooLong:
 
 
 def _parse_scores(url: str, answer: Any, expected: int) -> list[float]:
-    """Scores by input index from either ``[{index, score}]`` or ``{results: [...]}``."""
+    """Scores by input index from either ``[{index, score}]`` or ``{results: [...]}``.
+
+    Anything else (an item that is not an object, an index that is not an integer
+    in range or comes twice, a score that is not a finite number) is a
+    BadResponse saying what was wrong, never a Python error from the parsing.
+    """
     items = answer.get("results") if isinstance(answer, dict) else answer
     if not isinstance(items, list):
         raise BadResponse(url, "rerank answer is neither a list nor has 'results'")
     scores: list[float | None] = [None] * expected
     for item in items:
-        index = int(item["index"])
+        if not isinstance(item, dict):
+            raise BadResponse(url, f"rerank item {item!r:.60} is not an object")
+        index = item.get("index")
+        if type(index) is not int or not 0 <= index < expected:
+            raise BadResponse(url, f"rerank index {index!r:.40} is not one of 0..{expected - 1}")
+        if scores[index] is not None:
+            raise BadResponse(url, f"rerank answer scores index {index} twice")
         value = item.get("score", item.get("relevance_score"))
-        if value is None or not 0 <= index < expected:
-            raise BadResponse(url, f"malformed rerank item {item!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadResponse(url, f"rerank score {value!r:.40} is not a number")
         score = float(value)
         if not math.isfinite(score):  # json reads NaN and Infinity; a ranking cannot use them
             raise BadResponse(url, f"rerank score {value!r} is not a finite number")
         scores[index] = score
-    if any(score is None for score in scores):
-        raise BadResponse(url, f"rerank answer scored {len(items)} of {expected} texts")
+    missing = sum(score is None for score in scores)
+    if missing:
+        raise BadResponse(url, f"rerank answer has no score for {missing} of {expected} texts")
     return [score for score in scores if score is not None]
