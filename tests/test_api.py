@@ -1036,6 +1036,30 @@ def test_a_hung_embedding_service_is_a_504_when_the_query_time_runs_out(
         assert "ago" in again["message"] and "QUARRY_QUERY_TIMEOUT" in again["message"]
 
 
+@pytest.mark.parametrize("after_a_failure", [False, True])
+def test_a_burst_on_a_hung_embedding_service_waits_for_one_query_not_for_each(
+    make_app: AppFactory, monkeypatch: pytest.MonkeyPatch, after_a_failure: bool
+) -> None:
+    import quarry.api as api
+
+    monkeypatch.setattr(api, "EMBED_COOLDOWN_S", 0.3)
+    with _silent_url() as silent:
+        app = make_app(embed_url=silent, query_timeout=1.0)
+        if after_a_failure:  # it hung once; its cooldown is over: one query asks it again
+            assert_error(query(app, {"query": "gamma"}), 504, "dependency_timeout")
+            time.sleep(0.35)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: query(app, {"query": "gamma"}), range(6)))
+    errors = [(a.status_code, a.json()["error"]) for a in answers]
+    # The queries that waited behind the one asking are not told Qdrant failed (the
+    # query after it may be reading Qdrant when their time runs out).
+    assert all(error["dependency"] == "embedding service" for _, error in errors), errors
+    if after_a_failure:
+        # Known to have failed: only the query that asks it again waits for it; the
+        # others are told it is down rather than queueing behind that one.
+        assert sorted(status for status, _ in errors) == [503] * 5 + [504], errors
+
+
 @pytest.mark.parametrize("required", [False, True])
 def test_a_hung_reranker_fails_the_rerank_when_the_query_time_runs_out(
     make_app: AppFactory, required: bool
@@ -1146,6 +1170,40 @@ def test_a_refused_reranker_fails_readiness_at_once_not_after_the_retry_budget(
     assert any("2s" in warning for warning in body["warnings"]), body["warnings"]
 
 
+@pytest.mark.parametrize("required", [False, True])
+def test_readiness_waits_for_a_hung_reranker_only_when_it_counts(
+    make_app: AppFactory, monkeypatch: pytest.MonkeyPatch, required: bool
+) -> None:
+    import asyncio
+
+    import httpx2
+
+    import quarry.api as api
+    from quarry._async_clients import AsyncRerankClient
+
+    monkeypatch.setattr(api, "READY_TIMEOUT_S", 2.0)
+
+    async def stuck(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/info":
+            return httpx2.Response(404)
+        await asyncio.sleep(30)  # a reranker that takes the request and never answers
+        return httpx2.Response(500)
+
+    app = make_app(rerank_required=required)
+    service = app.app_state["query_service"]
+    service.reranker = AsyncRerankClient(
+        "http://reranker.test", dialect="tei", transport=httpx2.MockTransport(stuck)
+    )
+    answer = app.get("/readyz")
+    check = answer.json()["checks"]["reranker"]
+    assert check["ok"] is False and check["required"] is required
+    # A probe (a load balancer's, with a timeout of its own of a second or so) is not
+    # held by a reranker that readiness does not count.
+    waited = api.READY_TIMEOUT_S if required else api.READY_OPTIONAL_TIMEOUT_S
+    assert f"no answer within {waited:g}s" in check["detail"], check
+    assert answer.status_code == (503 if required else 200)
+
+
 def test_a_failed_rerank_reads_the_rerankers_info_again() -> None:
     import asyncio
     import json as jsonlib
@@ -1184,6 +1242,33 @@ def test_a_failed_rerank_reads_the_rerankers_info_again() -> None:
             await client.aclose()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_hung_info_route_fails_within_the_retry_budget_not_the_http_timeout() -> None:
+    import asyncio
+
+    from quarry._async_clients import AsyncRerankClient
+    from quarry._http import RetryPolicy
+    from quarry.errors import ServiceUnavailable
+
+    # The HTTP timeout (QUARRY_EMBED_TIMEOUT, 60 s) is sized for embedding a batch;
+    # a reranker whose /info hangs would otherwise hold every score() that long.
+    policy = RetryPolicy(budget=1.0, initial=0.01, maximum=0.01)
+    with _silent_url() as silent:
+
+        async def main() -> None:
+            client = AsyncRerankClient(silent, timeout=60.0, retry=policy)
+            try:
+                with pytest.raises(ServiceUnavailable, match="timed out"):
+                    await client.info()
+            finally:
+                await client.aclose()
+
+        asyncio.run(asyncio.wait_for(main(), 10))
+        sync = EmbeddingClient(silent, timeout=60.0, retry=policy)
+        with ThreadPoolExecutor(1) as pool, pytest.raises(ServiceUnavailable, match="timed out"):
+            pool.submit(lambda: sync.info).result(timeout=10)
+        sync.close()
 
 
 def test_a_failure_on_one_input_starts_no_cooldown(make_app: AppFactory) -> None:

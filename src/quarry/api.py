@@ -125,7 +125,10 @@ _answer_by: ContextVar[float | None] = ContextVar("quarry_answer_by", default=No
 MAX_QUERY_CHARS = 65_536
 """A hard cap on the query text, before any token counting (even with ``truncate``)."""
 READY_TIMEOUT_S = 5.0
-"""How long ``/readyz`` waits for each dependency."""
+"""How long ``/readyz`` waits for each dependency it needs."""
+READY_OPTIONAL_TIMEOUT_S = 1.0
+"""How long ``/readyz`` waits for a reranker that readiness does not count (not
+QUARRY_RERANK_REQUIRED): a hung one must not make the probe itself time out."""
 _PROBE = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
 """One attempt, no retry: for readiness probes, which must answer fast."""
 RERANK_COOLDOWN_S = 10.0
@@ -829,23 +832,42 @@ class _Outage:
         if last is None:
             return
         now = time.monotonic()
-        age = now - last[0]
-        if age >= self.cooldown_s:
+        if now - last[0] >= self.cooldown_s:
             trial = self._trial_since
             if trial is None or now - trial >= self.cooldown_s:
                 self._trial_since = now  # this caller asks; one that vanished is replaced
                 return
-            detail = "another query is asking it again"
-            left = self.cooldown_s - (now - trial)
-        else:
+        raise self._cooling_down(now)
+
+    def refuse(self) -> None:
+        """Raise what :meth:`check` raises to a caller that does not ask, if the dependency
+        failed and has not answered since: for a caller that would only queue behind
+        the one asking it again."""
+        if self._last is not None:
+            raise self._cooling_down(time.monotonic())
+
+    def failed_since(self, moment: float) -> bool:
+        """Whether the last failure (still unanswered) came at or after ``moment``
+        (``time.monotonic()``)."""
+        return self._last is not None and self._last[0] >= moment
+
+    def _cooling_down(self, now: float) -> _CoolingDown:
+        assert self._last is not None
+        failed_at, error = self._last
+        age = now - failed_at
+        if age < self.cooldown_s:
             detail = f"asked again {self.cooldown_s:g}s after that"
             left = self.cooldown_s - age
+        else:
+            detail = "another query is asking it again"
+            trial = self._trial_since
+            left = self.cooldown_s - (now - trial) if trial is not None else 1.0
         # A new error each time: raising the cached one would grow its traceback (and
         # keep every failed query's locals alive) until the service is back.
-        raise _CoolingDown(
-            last[1].url,
-            f"failed {age:.1f}s ago ({_reason(last[1])}); {detail}",
-            status=last[1].status,
+        return _CoolingDown(
+            error.url,
+            f"failed {age:.1f}s ago ({_reason(error)}); {detail}",
+            status=error.status,
             retry_after_s=left,
         )
 
@@ -928,6 +950,13 @@ class QueryService:
             if self._stale() and self._recheck is None:
                 self._recheck = asyncio.create_task(self._recheck_in_background())
             return verified
+        if self._seen_down and self._lock.locked():
+            # Another request is judging the model anew after the embedding service
+            # failed, and may be waiting out its retries: queueing behind it only waits.
+            try:
+                self._embedding_outage.refuse()
+            except _CoolingDown as error:
+                raise _dependency_down(_EMBEDDING, error) from None
         async with self._locked():
             if self._refused is None and (self._verified is None or self._must_rejudge()):
                 await self.verify()
@@ -965,15 +994,28 @@ class QueryService:
     @asynccontextmanager
     async def _locked(self) -> AsyncIterator[None]:
         """``self._lock``, waited for within the query's time: its holder is a verify()
-        (perhaps the background recheck, on a deadline of its own) waiting on a dependency."""
+        (perhaps the background recheck, on a deadline of its own) waiting on a dependency.
+
+        The embedding service failing for a holder while this caller waited is what held
+        it up (the holder after that one may be reading Qdrant when the time runs out),
+        and a caller that then gets the lock meets that outage instead of asking again.
+        """
+        waited_from = time.monotonic()
         try:
             async with asyncio.timeout_at(_answer_by.get()):
                 await self._lock.acquire()
         except TimeoutError:
-            raise _dependency_down(
-                self._verifying, self._no_answer(self._url_of(self._verifying))
-            ) from None
+            if self._embedding_outage.failed_since(waited_from):
+                blame = _EMBEDDING
+            else:
+                blame = self._verifying
+            raise _dependency_down(blame, self._no_answer(self._url_of(blame))) from None
         try:
+            if self._embedding_outage.failed_since(waited_from):
+                try:
+                    self._embedding_outage.refuse()
+                except _CoolingDown as error:
+                    raise _dependency_down(_EMBEDDING, error) from None
             yield
         finally:
             self._lock.release()
@@ -1426,18 +1468,24 @@ class QueryService:
     async def readiness(self) -> dict[str, Check]:
         """Probe Qdrant, the embedding service and the reranker at once, then the fingerprint."""
 
-        async def probe(awaitable: Awaitable[T]) -> T | BaseException:
+        async def probe(
+            awaitable: Awaitable[T], within: float = READY_TIMEOUT_S
+        ) -> T | BaseException:
             try:
-                return await asyncio.wait_for(awaitable, READY_TIMEOUT_S)
+                return await asyncio.wait_for(awaitable, within)
             except TimeoutError:
-                return TimeoutError(f"no answer within {READY_TIMEOUT_S:g}s")
+                return TimeoutError(f"no answer within {within:g}s")
             except Exception as error:
                 return error
 
+        required = self.settings.rerank_required
         stored, live, reranker = await asyncio.gather(
             probe(self._stored()),
             probe(self.embedder.read_fingerprint(retry=_PROBE)),
-            probe(self.reranker.probe(retry=_PROBE)),
+            probe(
+                self.reranker.probe(retry=_PROBE),
+                READY_TIMEOUT_S if required else READY_OPTIONAL_TIMEOUT_S,
+            ),
         )
         checks: dict[str, Check] = {}
         if isinstance(stored, BaseException):
@@ -1448,7 +1496,6 @@ class QueryService:
             checks["embedding"] = Check(ok=False, detail=_check_detail(live))
         else:
             checks["embedding"] = Check(ok=True, detail=live.model.describe())
-        required = self.settings.rerank_required
         if isinstance(reranker, BaseException):
             detail = _check_detail(reranker)
             if not required:
