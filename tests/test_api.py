@@ -382,6 +382,28 @@ def test_malformed_json_is_a_422_saying_where_and_why(app: TestClient) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("content", "message", "kind"),
+    [
+        (b'{"query": "caf\xe9"}', "body: not UTF-8 (byte 0xe9 at position 14)", "utf8"),
+        (
+            b'{"query": "x", "filter": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "body: JSON nested too deeply to read",
+            "json_too_deep",
+        ),
+    ],
+)
+def test_a_body_that_cannot_be_read_as_json_is_a_422_saying_why(
+    app: TestClient, content: bytes, message: str, kind: str
+) -> None:
+    response = app.post(
+        "/v1/query", content=content, headers={**AUTH, "content-type": "application/json"}
+    )
+    error = assert_error(response, 422, "invalid_request")
+    assert error["message"].startswith(message), error
+    assert error["details"] == [{"loc": ["body"], "msg": error["message"][6:], "type": kind}]
+
+
 def test_a_metadata_value_of_no_allowed_kind_is_one_error_naming_the_kinds(
     app: TestClient,
 ) -> None:

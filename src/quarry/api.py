@@ -619,8 +619,15 @@ _HTTP_KINDS = {
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400:
-        # FastAPI's answer to a body it cannot even decode (not UTF-8): bad input, so 422.
-        return error_body(422, "invalid_request", f"body: {exc.detail}", _request_id(request))
+        # FastAPI's answer to a body it cannot even decode: bad input, so 422, saying why.
+        msg, kind = _undecodable(exc.__cause__)
+        return error_body(
+            422,
+            "invalid_request",
+            f"body: {msg}",
+            _request_id(request),
+            details=[{"loc": ["body"], "msg": msg, "type": kind}],
+        )
     return error_body(
         exc.status_code,
         _HTTP_KINDS.get(exc.status_code, "http_error"),
@@ -628,6 +635,16 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
         _request_id(request),
         headers=exc.headers,
     )
+
+
+def _undecodable(cause: BaseException | None) -> tuple[str, str]:
+    """(message, type) for a body FastAPI could not read as JSON at all."""
+    if isinstance(cause, UnicodeDecodeError):
+        byte = cause.object[cause.start : cause.start + 1].hex()
+        return f"not UTF-8 (byte 0x{byte} at position {cause.start}); send JSON in UTF-8", "utf8"
+    if isinstance(cause, RecursionError):
+        return "JSON nested too deeply to read", "json_too_deep"
+    return "cannot be read as JSON", "json_invalid"
 
 
 async def _on_quarry_error(request: Request, exc: Exception) -> Response:
