@@ -679,6 +679,100 @@ def test_request_id_is_echoed_in_headers_bodies_and_logs(
     assert odd.headers["x-request-id"] != "a b\tc" + "x" * 200
 
 
+def _asgi_query(app: TestClient, body: bytes, gone: Any) -> list[dict[str, Any]]:
+    """POST /v1/query straight to the ASGI app on the client's event loop, as a server
+    would; the client goes away when ``gone`` (an asyncio.Event) is set. What was sent."""
+    import asyncio
+
+    async def scenario() -> list[dict[str, Any]]:
+        delivered = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                gone.set()  # as a server does once the answer is out
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/query",
+            "raw_path": b"/v1/query",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                (b"authorization", f"Bearer {KEY}".encode()),
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 8080),
+            "state": dict(app.app_state),
+        }
+        await asyncio.wait_for(app.app(scope, receive, send), 10)
+        return sent
+
+    assert app.portal is not None
+    return app.portal.call(scenario)
+
+
+def test_a_query_whose_client_goes_away_is_cancelled_not_finished(
+    make_app: AppFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    caplog.set_level(logging.INFO, logger="quarry.api")
+    app = make_app()
+    embedder = app.app_state["query_service"].embedder
+    real = embedder.embed_query
+    seen: list[str] = []
+    gone: list[Any] = []
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        seen.append("embedding")
+        if gone:
+            asyncio.get_running_loop().call_later(0.05, gone[0].set)  # the client leaves
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        return await real(*args, **kwargs)
+
+    embedder.embed_query = slow
+    body = json.dumps({"query": "gamma rays"}).encode()
+
+    async def event() -> Any:
+        gone.append(asyncio.Event())
+        return gone[0]
+
+    sent = _asgi_query(app, body, app.portal.call(event))  # type: ignore[union-attr]
+    # The embedding it waited on was cancelled, nothing was sent to nobody, and the log
+    # says why the request ended (nginx's 499: the client closed the request).
+    assert seen == ["embedding", "cancelled"]
+    assert sent == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("client closed the connection" in line for line in lines), lines
+    assert any(line.endswith("POST /v1/query 499 " + line.split()[-1]) for line in lines)
+    # A client that stays gets its answer, and the disconnect after it cancels nothing.
+    embedder.embed_query = real
+    gone.clear()
+    answered = _asgi_query(app, body, app.portal.call(event))  # type: ignore[union-attr]
+    assert answered[0]["status"] == 200
+
+
 def test_unknown_routes_and_methods_use_the_error_shape(app: TestClient) -> None:
     assert_error(app.get("/v2/query", headers=AUTH), 404, "not_found")
     assert_error(app.get("/v1/query", headers=AUTH), 405, "method_not_allowed")

@@ -686,12 +686,16 @@ class RequestContext:
         status = 0
         settings: Settings = self.owner.state.settings
         refusal = _refuse_early(scope, settings, request_id)
+        watch = None
         if refusal is None:
-            receive = _limited(receive, settings.api_max_body_bytes)
+            watch = _DisconnectWatch(_limited(receive, settings.api_max_body_bytes))
+            receive = watch.receive
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
+                if watch is not None:
+                    watch.answering()
                 status = int(message["status"])
                 headers = MutableHeaders(scope=message)
                 headers.append(REQUEST_ID_HEADER, request_id)
@@ -707,6 +711,10 @@ class RequestContext:
                 await refusal(scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            if watch is None or not watch.cancelled_request():
+                raise
+            status = _CLIENT_CLOSED  # nginx's code for it: the log says what happened
         except Exception:
             logger.exception("request_id=%s unhandled error", request_id)
             if status:
@@ -729,6 +737,8 @@ class RequestContext:
                 (time.perf_counter() - started) * 1000,
             )
             _current_request_id.reset(token)
+            if watch is not None:
+                watch.close()
 
     def _lifespan_send(self, send: Send) -> Send:
         async def lifespan_send(message: Message) -> None:
@@ -738,6 +748,69 @@ class RequestContext:
             await send(message)
 
         return lifespan_send
+
+
+_CLIENT_CLOSED = 499
+
+
+class _DisconnectWatch:
+    """Cancels a request whose client goes away before it is answered.
+
+    Once the body is in, a watcher waits for the server's ``http.disconnect``:
+    arriving before the answer has started, it cancels the request's task, so the
+    embedding service and the reranker are not kept busy for a caller that left
+    (a client that gave up and retries would otherwise add to the load each time).
+    After the answer the server sends the same message: nothing is cancelled then.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._gone = asyncio.Event()
+        self._answered = False
+        self._cancelled = False
+
+    async def receive(self) -> Message:
+        """The server's ``receive``; after the body, what the watcher saw."""
+        if self._watcher is not None:
+            await self._gone.wait()
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            self._task = asyncio.current_task()
+            self._watcher = asyncio.ensure_future(self._watch())
+        return message
+
+    def answering(self) -> None:
+        """The answer has started: a disconnect from now on cancels nothing."""
+        self._answered = True
+
+    def cancelled_request(self) -> bool:
+        """Whether a cancellation of the request came from this watch; takes it back."""
+        if self._cancelled and self._task is not None:
+            self._task.uncancel()
+            return True
+        return False
+
+    def close(self) -> None:
+        """Stop watching (the request is over)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                break
+        self._gone.set()
+        if not self._answered and self._task is not None and not self._task.done():
+            logger.info(
+                "request_id=%s the client closed the connection before the answer; cancelled",
+                _current_request_id.get(),
+            )
+            self._cancelled = True
+            self._task.cancel()
 
 
 class _BodyTooLarge(StarletteHTTPException):
