@@ -857,6 +857,18 @@ def test_a_model_swapped_behind_the_url_is_refused_within_the_recheck(
         assert _poll(app, SWAP_QUERY, 200).status_code == 200
 
 
+def test_a_refusal_is_not_served_once_the_embedding_service_is_down(
+    make_app: AppFactory,
+) -> None:
+    app, _, other = _answered_then_stopped(make_app, fingerprint_recheck_seconds=0.3)
+    with LocalTEIServer(other):
+        assert_error(_poll(app, SWAP_QUERY, 409), 409, "fingerprint_mismatch")
+    time.sleep(0.35)  # the refusal is due a recheck, and the service is gone
+    assert_error(query(app, SWAP_QUERY), 503, "dependency_unavailable")
+    # What it serves is unknown now: a client is told to retry, not to reindex.
+    assert_error(query(app, SWAP_QUERY), 503, "dependency_unavailable")
+
+
 def test_a_model_swapped_in_a_restart_is_refused_at_the_first_query_after_it(
     make_app: AppFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1057,6 +1057,10 @@ class QueryService:
                     await self.verify(_PROBE)
                 except ApiError as error:
                     if error.status != 409:
+                        # The model cannot be asked now: the refusal no longer says what
+                        # is served, and the queries after this one meet the outage
+                        # (a 503 to retry), not a 409 telling them to reindex.
+                        self._refused = None
                         self._judged_at = time.monotonic()
                         raise
             if self._refused is not None:
