@@ -722,11 +722,11 @@ def vector_rows(
     url: str, rows: Sequence[Any], documents: Sequence[str] = (), *, unit: bool = True
 ) -> list[list[float]]:
     """``rows`` (float lists or arrays, one per input) as lists, scaled to unit length
-    when ``unit`` (a zero vector stays zero).
+    when ``unit``.
 
     A row that is missing, not a list of numbers, of another length than the others
-    (one model gives every input the same dimensions) or holding a ``null``, infinite
-    or NaN value cannot be searched: :class:`UnusableEmbeddings` then carries the
+    (one model gives every input the same dimensions), all zeros, or holding a
+    ``null``, infinite or NaN value cannot be searched: :class:`UnusableEmbeddings` then carries the
     good rows, so only the inputs whose rows are bad fail. A BadResponse naming
     ``url`` and ``documents`` when no row is usable at all.
     """
@@ -743,9 +743,13 @@ def vector_rows(
         raise BadResponse(
             url, "no embedding in the answer is a list of numbers", documents=documents
         )
-    usable: list[bool] = (np.isfinite(matrix).sum(axis=1) == matrix.shape[1]).tolist()
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    # A zero vector has no direction: it scores 0 against every query, so a chunk stored
+    # with one could never be found (and an unchanged file is not read again to mend it).
+    usable: list[bool] = (
+        (np.isfinite(matrix).sum(axis=1) == matrix.shape[1]) & (norms[:, 0] > 0)
+    ).tolist()
     if unit:
-        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
         np.divide(matrix, norms, out=matrix, where=np.isfinite(norms) & (norms > 0))
     result: list[list[float]] = matrix.tolist()
     if not all(usable):
@@ -802,7 +806,7 @@ class UnusableEmbeddings(BadResponse):
 
 _UNUSABLE = (
     "the service's embedding for it is unusable: missing, not a vector of the model's "
-    "dimensions, or holding a null, infinite or NaN value"
+    "dimensions, all zeros, or holding a null, infinite or NaN value"
 )
 
 
