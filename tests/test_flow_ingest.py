@@ -404,3 +404,26 @@ def test_an_incomplete_ingest_keeps_its_summary_when_stored_and_loaded() -> None
         "ingest of 'kb': 1 documents could not be indexed (fail on failures); first: "
         "kb/bad.md: binary",
     )
+
+
+def test_every_quarry_error_survives_being_stored_and_loaded() -> None:
+    # Prefect may pickle a failed task's exception; the url, collection or uri with it.
+    import pickle
+
+    from quarry.errors import (
+        FingerprintMismatch,
+        ServiceUnavailable,
+        StoreUnavailable,
+        UnreadableDocument,
+    )
+
+    errors = [
+        ServiceUnavailable("http://tei:80/embed", "cannot connect", status=503),
+        StoreUnavailable("quarry__abc", "upsert of 3 points failed: database or disk is full"),
+        UnreadableDocument("kb/a.pdf", "truncated PDF"),
+        FingerprintMismatch("index made by model A; the service serves model B"),
+    ]
+    for error in errors:
+        loaded = pickle.loads(pickle.dumps(error))
+        assert type(loaded) is type(error) and str(loaded) == str(error)
+        assert vars(loaded) == vars(error)

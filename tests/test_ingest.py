@@ -23,6 +23,7 @@ from quarry.errors import (
     MassDeleteRefused,
     ServingChanged,
     SourceNotFound,
+    StoreUnavailable,
 )
 from quarry.ingest import IndexSync, IngestProgress, IngestReport, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
@@ -94,6 +95,29 @@ class Harness:
 @pytest.fixture
 def harness(tmp_path: Path, tei: LocalTEIServer) -> Harness:
     return Harness(tmp_path, tei.url)
+
+
+def test_a_full_disk_stops_the_run_instead_of_failing_every_document(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import contextlib
+    import sqlite3
+
+    import quarry.store as store_module
+
+    @contextlib.contextmanager
+    def full(client: Any, collection: str) -> Iterator[None]:
+        raise sqlite3.OperationalError("database or disk is full")
+        yield
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store_module, "_one_transaction", full)
+        # Qdrant's own failure, not the documents': the run stops (exit 1), rather than
+        # reporting every document failed and exiting 0.
+        with pytest.raises(StoreUnavailable, match="disk is full"):
+            harness.run()
+    report = harness.run()  # space again: the next run writes what that one could not
+    assert report.failures == [] and report.documents_embedded == len(CORPUS)
 
 
 def test_an_interrupted_run_leaves_no_batch_running_under_closed_clients(

@@ -19,6 +19,7 @@ can be traced to its cause without a debugger::
     ├── StoreError                  Qdrant (has ``collection``)
     │   ├── StoreLocked             another quarry process holds the index or its writers' slot
     │   └── WriteFailed             an upsert or delete was not acknowledged
+    │       └── StoreUnavailable    Qdrant took no write at all (unreachable, disk full)
     ├── IngestIncomplete            a run that asked to fail on failures had some: exit 4
     └── Refused                     quarry will not do this: CLI exit 3, API 409
         ├── FingerprintMismatch     index made by another model
@@ -35,6 +36,18 @@ from typing import Any
 
 class QuarryError(Exception):
     """Base of every error quarry raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Prefect may store a failed task's exception and load it again; the subclasses'
+        # own __init__ arguments (url, collection, message) are not in ``args``.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[QuarryError], args: tuple[Any, ...], state: dict[str, Any]) -> QuarryError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
 
 
 class ConfigError(QuarryError):
@@ -129,6 +142,11 @@ class StoreLocked(StoreError):
 
 class WriteFailed(StoreError):
     """An upsert or delete was not acknowledged as completed."""
+
+
+class StoreUnavailable(WriteFailed):
+    """Qdrant could not take a write at all: unreachable, timed out, failing (5xx), or
+    its disk full or unwritable. Not the written documents' fault: a run stops."""
 
 
 class IngestIncomplete(QuarryError):

@@ -39,6 +39,7 @@ from quarry.errors import (
     MassDeleteRefused,
     QuarryError,
     SourceNotFound,
+    StoreUnavailable,
     WriteFailed,
 )
 from quarry.fingerprint import (
@@ -591,6 +592,8 @@ class IndexSync:
                 try:
                     if self._may_have_points(document):
                         self.store.delete_stale_chunks(document.doc_id, count)
+                except StoreUnavailable:
+                    raise
                 except QuarryError as error:
                     result.failures.append(Failure(document.uri, f"cleaning old chunks: {error}"))
                     continue
@@ -777,11 +780,18 @@ class IndexSync:
     def _upsert(
         self, points: list[models.PointStruct], written: list[tuple[Document, int]]
     ) -> dict[str, str]:
-        """Upsert in batches; on a failed batch retry per document to isolate it."""
+        """Upsert in batches; on a failed batch retry per document to isolate it.
+
+        A failure that is Qdrant's own (StoreUnavailable: unreachable, disk full) is
+        raised, not charged to the documents: the run stops, and what it could not
+        write is written by the next run.
+        """
         try:
             for start in range(0, len(points), UPSERT_BATCH):
                 self.store.upsert(points[start : start + UPSERT_BATCH])
             return {}
+        except StoreUnavailable:
+            raise
         except QuarryError:
             pass
         failed: dict[str, str] = {}
@@ -790,6 +800,8 @@ class IndexSync:
             try:
                 for start in range(0, len(own), UPSERT_BATCH):
                     self.store.upsert(own[start : start + UPSERT_BATCH])
+            except StoreUnavailable:
+                raise
             except QuarryError as error:
                 failed[document.doc_id] = f"write failed: {error}"
         return failed

@@ -31,7 +31,7 @@ from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings, make_data_folder
 from quarry.documents import FileStamp
-from quarry.errors import ConfigError, StoreError, StoreLocked, WriteFailed
+from quarry.errors import ConfigError, StoreError, StoreLocked, StoreUnavailable, WriteFailed
 from quarry.fingerprint import Fingerprint
 
 
@@ -41,6 +41,25 @@ def unit_vector(vector: Sequence[float]) -> list[float]:
     if norm == 0 or abs(norm - 1) < 1e-5:  # the embedding clients' vectors already are
         return list(vector)
     return [x / norm for x in vector]
+
+
+def _store_wide(error: BaseException) -> bool:
+    """Whether a failed write says Qdrant itself cannot take writes (any points), not
+    that these points were refused: no connection or answer, a 5xx, a disk full."""
+    from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
+
+    if isinstance(error, sqlite3.Error | OSError | ResponseHandlingException | TimeoutError):
+        return True  # local mode's database (disk full, I/O); the server's transport
+    if isinstance(error, UnexpectedResponse):
+        return error.status_code is None or error.status_code >= 500
+    code = getattr(error, "code", None)  # gRPC
+    if callable(code):
+        try:
+            name = getattr(code(), "name", "")
+        except Exception:  # pragma: no cover - not a gRPC error after all
+            return False
+        return name in {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL"}
+    return False
 
 
 META_FINGERPRINT = "quarry_fingerprint"
@@ -606,9 +625,8 @@ class VectorStore:
                 with _one_transaction(self.client, name):
                     result = self._writer.upsert(name, points=list(points), wait=True)
             except Exception as error:  # qdrant-client raises transport-specific types
-                raise WriteFailed(
-                    name, f"upsert of {len(points)} points failed: {error}"
-                ) from error
+                failure = StoreUnavailable if _store_wide(error) else WriteFailed
+                raise failure(name, f"upsert of {len(points)} points failed: {error}") from error
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"upsert of {len(points)} points ended {result.status}")
 
@@ -625,7 +643,8 @@ class VectorStore:
                         name, payload=dict(fields), points=list(ids), key="metadata", wait=True
                     )
             except Exception as error:  # qdrant-client raises transport-specific types
-                raise WriteFailed(
+                failure = StoreUnavailable if _store_wide(error) else WriteFailed
+                raise failure(
                     name, f"updating the metadata of {len(ids)} points failed: {error}"
                 ) from error
 
@@ -661,7 +680,8 @@ class VectorStore:
                     name, points_selector=models.FilterSelector(filter=selector), wait=True
                 )
             except Exception as error:
-                raise WriteFailed(name, f"delete failed: {error}") from error
+                failure = StoreUnavailable if _store_wide(error) else WriteFailed
+                raise failure(name, f"delete failed: {error}") from error
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"delete ended {result.status}")
 
