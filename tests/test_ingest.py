@@ -97,6 +97,43 @@ def harness(tmp_path: Path, tei: LocalTEIServer) -> Harness:
     return Harness(tmp_path, tei.url)
 
 
+def test_a_service_back_as_another_model_mid_run_is_refused_before_it_writes(
+    harness: Harness,
+) -> None:
+    from quarry.errors import Refused
+
+    # The service goes away during the run and its retries reach it back up, now
+    # serving another model of the same size (a restart with another --model-id).
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+        upstream = httpx2.Client()
+        current = [harness.url]
+        posts = [0]
+
+        def proxy(request: httpx2.Request) -> httpx2.Response:
+            if request.method == "POST":
+                posts[0] += 1
+                if posts[0] == 2:  # the canary went to the first model; then it restarts
+                    current[0] = other.url
+                    raise httpx2.ConnectError("connection refused", request=request)
+            answer = upstream.request(
+                request.method,
+                current[0] + request.url.path,
+                content=request.content,
+                headers={"content-type": request.headers.get("content-type", "")},
+            )
+            return httpx2.Response(answer.status_code, content=answer.content)
+
+        try:
+            with pytest.raises(Refused) as refused:
+                harness.run(transport=httpx2.MockTransport(proxy))
+        finally:
+            upstream.close()
+    assert "unreachable or down during the run" in "; ".join(refused.value.__notes__)
+    assert harness.points() == {}  # nothing the other model made was written
+    report = harness.run()  # the first model again: the run writes everything
+    assert report.failures == [] and report.documents_embedded == len(CORPUS)
+
+
 def test_a_full_disk_stops_the_run_instead_of_failing_every_document(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

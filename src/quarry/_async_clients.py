@@ -173,6 +173,8 @@ async def acall_with_retries(
     try:
         return await retrying(attempt)
     except TransientFailure as error:
+        if policy.on_retry is not None:
+            policy.on_retry(error)
         raise ServiceUnavailable(
             url,
             gave_up(policy, retrying.statistics, started, error),

@@ -105,8 +105,8 @@ class RetryPolicy:
     retry_timeouts: bool = True
     # What sets ``budget``, as the retry warning names it for whoever would change it.
     budget_source: str = "QUARRY_RETRY_BUDGET"
-    # Told of each failed attempt about to be retried (the query API notes a service
-    # that was down even when a retry then reached it).
+    # Told of each failed attempt, those about to be retried and the last (the query API
+    # and the ingest note a service that was down even when a retry then reached it).
     on_retry: Callable[[BaseException | None], None] | None = field(
         default=None, compare=False, repr=False
     )
@@ -299,6 +299,8 @@ def call_with_retries(
     except TransientFailure as error:
         if error.timed_out and not policy.retry_timeouts:
             raise  # the caller sends it again, or says why not
+        if policy.on_retry is not None:
+            policy.on_retry(error)
         raise ServiceUnavailable(
             url,
             gave_up(policy, retrying.statistics, started, error),

@@ -18,13 +18,14 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import itertools
 import logging
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -194,6 +195,12 @@ class EmbeddingClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._model = model
+        # Attempts that found the service unreachable or down (502, 503, 504): it may
+        # have been restarted, and come back as another model (IndexSync checks).
+        self.interruptions = 0
+        retry = dataclasses.replace(
+            retry, on_retry=functools.partial(self._attempt_failed, retry.on_retry)
+        )
         self._retry = retry
         # Embedding requests' timeouts are not retried as they come: _post_batch sends
         # them again at a lower depth.
@@ -239,6 +246,26 @@ class EmbeddingClient:
             if self._info is None:
                 self._info = self._load_info()
             return self._info
+
+    def refresh_info(self) -> ServiceInfo:
+        """Fetch ``/info`` again (after an interruption: a restart may have changed it)."""
+        fresh = self._load_info()
+        with self._info_lock:
+            self._info = fresh
+        return fresh
+
+    def _attempt_failed(
+        self, chained: Callable[[BaseException | None], None] | None, error: BaseException | None
+    ) -> None:
+        if (
+            isinstance(error, TransientFailure)
+            and not error.timed_out
+            and error.status in (None, 502, 503, 504)
+        ):
+            with self._count_lock:
+                self.interruptions += 1
+        if chained is not None:
+            chained(error)
 
     def _load_info(self) -> ServiceInfo:
         raw = fetch_info(self._http, self.base_url, self._retry)

@@ -264,6 +264,8 @@ class IndexSync:
         self._stored: Fingerprint | None = None
         self._accepted_serving: list[Mapping[str, Any]] = []
         self._canary_error: QuarryError | None = None
+        # The embedding client's interruptions count when the model was last judged.
+        self._interruptions_judged = 0
         # Set when the run is ending (Ctrl-C, a failure): batches write nothing more.
         # The condition guards the count of writes under way, which stop() waits out.
         self._stopping = threading.Event()
@@ -281,6 +283,7 @@ class IndexSync:
         request at all, and a run that does embed writes nothing until it passes.
         """
         self._requests_at_start = self.embedder.requests_sent
+        self._interruptions_judged = self.embedder.interruptions
         if not self.store.exists():
             live = read_fingerprint(self.embedder)
             self.store.create(live, self.settings)
@@ -349,6 +352,36 @@ class IndexSync:
                 raise
             self.fingerprint = live
             self._stored = None
+
+    def judge_after_interruption(self) -> None:
+        """Judge the model again if the embedding service was unreachable or down since it
+        was last judged: a restart may have brought it back as another model (an image
+        or ``--model-id`` changed while a run was under way), whose vectors must not be
+        written beside the ones already stored. Raises as :meth:`verify_canary` does,
+        before the batch that saw it writes anything; every later call raises the same.
+        """
+        if self.embedder.interruptions == self._interruptions_judged:
+            return
+        with self._canary_lock:
+            if self._canary_error is not None:
+                raise self._canary_error
+            seen = self.embedder.interruptions
+            if seen == self._interruptions_judged:
+                return  # another batch judged it meanwhile
+            judged = self.fingerprint
+            assert judged is not None, "prepare() must run first"
+            self.embedder.refresh_info()
+            live = read_fingerprint(self.embedder)
+            try:
+                self._check(judged, live)
+            except QuarryError as error:
+                error.add_note(
+                    "the embedding service was unreachable or down during the run and came "
+                    "back serving this; nothing embedded since then was written"
+                )
+                self._canary_error = error
+                raise
+            self._interruptions_judged = seen
 
     def _check(self, stored: Fingerprint, live: Fingerprint) -> None:
         check_compatible(
@@ -550,6 +583,8 @@ class IndexSync:
             if self._stopping.is_set():  # cancelled by stop(), or a client closed since
                 return result
             raise
+        if texts:
+            self.judge_after_interruption()
 
         points: list[models.PointStruct] = []
         written: list[tuple[Document, int, int]] = []
