@@ -190,6 +190,35 @@ def test_a_data_dir_that_cannot_hold_qdrant_is_a_config_error_for_both_clients(
             opener(settings)
 
 
+@pytest.mark.parametrize("damage", ["meta.json", "storage.sqlite"])
+def test_a_damaged_local_folder_is_a_store_error_naming_it_for_both_clients(
+    tmp_path: Path, damage: str
+) -> None:
+    from quarry._async_clients import open_async_qdrant
+    from quarry.errors import StoreError
+
+    settings = Settings(data_dir=tmp_path, collection="kb")
+    store = VectorStore(open_client(settings), "kb")
+    store.create(_fingerprint(), {"max_tokens": 8})
+    store.upsert(
+        [models.PointStruct(id=str(uuid.uuid4()), vector=[0.5] * 4, payload={"doc_id": "d"})]
+    )
+    store.close()
+    if damage == "meta.json":
+        (settings.qdrant_path / "meta.json").write_text('{"collections": {"kb__')
+    else:
+        for file in settings.qdrant_path.rglob("storage.sqlite*"):
+            if file.name == "storage.sqlite":
+                file.write_bytes(file.read_bytes()[:4096] + b"\x00garbage" * 512)
+            else:
+                file.unlink()  # the write-ahead log, which would mend it
+    for opener in (open_client, open_async_qdrant):
+        with pytest.raises(StoreError, match="cannot be read") as caught:
+            opener(settings)
+        message = str(caught.value)
+        assert str(settings.qdrant_path) in message and "restore the folder" in message
+
+
 @pytest.mark.parametrize(
     ("hashes", "counts", "indexes", "complete"),
     [

@@ -58,7 +58,14 @@ from quarry.rerank import (
     _parse_scores,
     query_too_long,
 )
-from quarry.store import META_FINGERPRINT, CollectionInfo, local_mode_locked, unit_vector
+from quarry.store import (
+    LOCAL_STORAGE_ERRORS,
+    META_FINGERPRINT,
+    CollectionInfo,
+    local_mode_locked,
+    local_mode_unreadable,
+    unit_vector,
+)
 
 T = TypeVar("T")
 
@@ -722,6 +729,8 @@ def open_async_qdrant(settings: Settings) -> AsyncQdrant:
         if "already accessed" in str(error):
             raise local_mode_locked(settings) from error
         raise
+    except LOCAL_STORAGE_ERRORS as error:
+        raise local_mode_unreadable(settings, error) from error
 
 
 class AsyncStore:

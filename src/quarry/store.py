@@ -15,6 +15,7 @@ searched as they are.
 from __future__ import annotations
 
 import math
+import pickle
 import re
 import sqlite3
 import threading
@@ -147,6 +148,23 @@ def open_client(settings: Settings) -> QdrantClient:
         if "already accessed" in str(error):
             raise local_mode_locked(settings) from error
         raise
+    except LOCAL_STORAGE_ERRORS as error:
+        raise local_mode_unreadable(settings, error) from error
+
+
+# What reading a damaged local-mode folder raises: a truncated meta.json, a corrupt or
+# truncated SQLite file, a point that no longer unpickles.
+LOCAL_STORAGE_ERRORS = (ValueError, OSError, sqlite3.DatabaseError, EOFError, pickle.PickleError)
+
+
+def local_mode_unreadable(settings: Settings, error: BaseException) -> StoreError:
+    """The error for a local-mode Qdrant folder that cannot be read (damaged)."""
+    return StoreError(
+        settings.collection,
+        f"local-mode Qdrant at {settings.qdrant_path} cannot be read "
+        f"({type(error).__name__}: {error}): restore the folder from a backup, or move it "
+        "away and ingest again to build it anew",
+    )
 
 
 def _server_client(url: str, api_key: SecretStr | None, collection: str) -> QdrantClient:
