@@ -134,6 +134,33 @@ def test_a_service_back_as_another_model_mid_run_is_refused_before_it_writes(
     assert report.failures == [] and report.documents_embedded == len(CORPUS)
 
 
+def test_a_file_deleted_after_the_listing_is_noted_not_failed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quarry.ingest as ingest_module
+
+    assert harness.run().documents_embedded == len(CORPUS)
+    (harness.root / "alpha.md").write_text("# Alpha\n\nAlpha, edited.\n")
+    real = ingest_module.list_source
+
+    def then_deleted(*args: Any, **kwargs: Any) -> Any:
+        listing = real(*args, **kwargs)
+        (harness.root / "alpha.md").unlink()  # a user removes it while the run goes on
+        return listing
+
+    monkeypatch.setattr(ingest_module, "list_source", then_deleted)
+    report = harness.run()
+    # A user's edit, not a bad file: no failure (a nightly that fails on failures would
+    # page someone), a note, and its points stay for the next sync to remove.
+    assert report.failures == []
+    assert any(
+        "alpha.md was deleted or moved after the folder was listed" in note for note in report.notes
+    ), report.notes
+    assert report.documents_deleted == 0
+    monkeypatch.undo()
+    assert harness.run().documents_deleted == 1
+
+
 def test_a_full_disk_stops_the_run_instead_of_failing_every_document(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1345,8 +1345,16 @@ def _pending_documents(
             seen.update(doc.doc_id for doc in docs)
             continue
         if isinstance(item, LoadFailure):
+            failed_uris.add(_file_uri(item.uri))  # its points stay until a sync finds it gone
+            if item.vanished:
+                # Deleted or moved while the run went on: a user's edit, not a bad file, so
+                # not a failure (a nightly with fail_on_failures would page someone).
+                log.info("%s %s", item.uri, item.error)
+                report.notes.append(
+                    f"{item.uri} {item.error}; the next sync removes what it had indexed"
+                )
+                continue
             log.warning("could not load %s: %s", item.uri, item.error)
-            failed_uris.add(_file_uri(item.uri))
             failure = Failure(item.uri, item.error)
             report.fail([failure])
             if load_failures is not None:

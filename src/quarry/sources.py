@@ -456,10 +456,15 @@ def _takes_in(outer: SourceSpec, path: Path, inner: SourceSpec) -> bool:
 
 @dataclass(frozen=True)
 class LoadFailure:
-    """A file that could not be indexed, and why (goes into the ingest summary's ``failures``)."""
+    """A file that could not be indexed, and why (goes into the ingest summary's ``failures``).
+
+    ``vanished``: the file was deleted or moved after the folder was listed, which is
+    no fault of the file (a sync notes it, and the next one finds it gone).
+    """
 
     uri: str
     error: str
+    vanished: bool = False
 
 
 def _relative(path: Path, spec: SourceSpec) -> str:
@@ -682,6 +687,10 @@ def discover(spec: SourceSpec) -> Iterator[Path]:
 
 def _fail(uri: str, message: str) -> UnreadableDocument:
     return UnreadableDocument(uri, message)
+
+
+class _Vanished(UnreadableDocument):
+    """A listed file that is no longer there when it is opened."""
 
 
 def _content_type(path: Path) -> str:
@@ -1074,6 +1083,8 @@ def _load_file(
     except OSError as exc:
         if no_follow and exc.errno == errno.ELOOP:
             raise _fail(uri, "became a symlink after the folder was listed; not followed") from None
+        if root is not None and exc.errno == errno.ENOENT:
+            raise _Vanished(uri, "was deleted or moved after the folder was listed") from None
         raise _fail(uri, f"cannot read: {exc.strerror or exc}") from None
     if len(data) > max_file_bytes:
         raise _fail(uri, f"file is over the {max_file_bytes}-byte limit (QUARRY_MAX_FILE_BYTES)")
@@ -1293,7 +1304,7 @@ def iter_documents(
                 encoding=spec.encoding,
             )
         except UnreadableDocument as exc:
-            yield LoadFailure(exc.uri, _message(exc))
+            yield LoadFailure(exc.uri, _message(exc), vanished=isinstance(exc, _Vanished))
         except Exception as exc:  # a bad file must never stop the run
             yield LoadFailure(uri, f"{type(exc).__name__}: {exc}")
 
