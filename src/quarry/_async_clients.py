@@ -33,6 +33,7 @@ from quarry._http import (
     RetryPolicy,
     TransientFailure,
     async_http_client,
+    connection_failure,
     gave_up,
     info_timeout,
     json_answer,
@@ -205,7 +206,7 @@ async def asend(
         raise TransientFailure(url, timeout_reason(error), status=None, retry_after=None) from error
     except httpx2.TransportError as error:
         raise TransientFailure(
-            url, f"cannot connect: {error}", status=None, retry_after=None
+            url, connection_failure(error), status=None, retry_after=None
         ) from error
     raise_for_status(
         url, response.status_code, response.content, response.headers, dialect_hint=dialect_hint
@@ -246,7 +247,7 @@ async def afetch_info(
             ) from error
         except httpx2.TransportError as error:
             raise TransientFailure(
-                target, f"cannot connect: {error}", status=None, retry_after=None
+                target, connection_failure(error), status=None, retry_after=None
             ) from error
         if response.status_code in (404, 405):
             return None
@@ -403,7 +404,7 @@ class AsyncEmbeddingClient:
                 ) from error
             except openai.APIConnectionError as error:
                 raise TransientFailure(
-                    url, f"cannot connect: {error}", status=None, retry_after=None
+                    url, connection_failure(error), status=None, retry_after=None
                 ) from error
             except openai.APIStatusError as error:
                 raise_for_status(

@@ -318,8 +318,19 @@ def gave_up(
     spent = time.monotonic() - started
     return (
         f"still failing after {tries} attempt{'s' if tries != 1 else ''} in {spent:.1f}s "
-        f"(retry budget {policy.budget:g}s): {error.args[0]}"
+        f"(retry budget {policy.budget:g}s): {getattr(error, 'reason', None) or error.args[0]}"
     )
+
+
+def connection_failure(error: BaseException) -> str:
+    """What a transport error (httpx2's, or openai's wrapping one) says happened."""
+    cause = error if isinstance(error, httpx2.TransportError) else error.__cause__
+    said = str(cause or error) or type(cause or error).__name__
+    if isinstance(cause, httpx2.RemoteProtocolError | httpx2.ReadError):
+        return f"connection lost before the answer was complete: {said}"
+    if isinstance(cause, httpx2.WriteError):
+        return f"connection lost while sending the request: {said}"
+    return f"cannot connect: {said}"
 
 
 def answer_late(error: BaseException | None) -> bool:
@@ -355,7 +366,7 @@ def send(
         if client.is_closed:
             raise CancelledError(f"{url}: abandoned, the client is closed") from error
         raise TransientFailure(
-            url, f"cannot connect: {error}", status=None, retry_after=None
+            url, connection_failure(error), status=None, retry_after=None
         ) from error
     raise_for_status(
         url,

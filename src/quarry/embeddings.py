@@ -41,6 +41,7 @@ from quarry._http import (
     TransientFailure,
     answer_late,
     call_with_retries,
+    connection_failure,
     http_client,
     info_timeout,
     json_answer,
@@ -160,7 +161,7 @@ def fetch_info(
             ) from error
         except httpx2.TransportError as error:
             raise TransientFailure(
-                target, f"cannot connect: {error}", status=None, retry_after=None
+                target, connection_failure(error), status=None, retry_after=None
             ) from error
         if response.status_code in (404, 405):
             return None
@@ -668,7 +669,7 @@ class EmbeddingClient:
                     # process for the retry budget saying "cannot connect".
                     raise CancelledError(f"{url}: abandoned, the client is closed") from error
                 raise TransientFailure(
-                    url, f"cannot connect: {error}", status=None, retry_after=None
+                    url, connection_failure(error), status=None, retry_after=None
                 ) from error
             except openai.APIStatusError as error:
                 raise_for_status(

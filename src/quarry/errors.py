@@ -83,6 +83,7 @@ class ServiceError(QuarryError):
         documents: Sequence[str] = (),
     ) -> None:
         self.url = url
+        self.reason = message  # without the url
         self.status = status
         self.documents = tuple(dict.fromkeys(documents))  # one per document, not per chunk
         text = f"{url}: {message}"
