@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 
 def configure_prefect_environment(data_dir: Path) -> None:
@@ -226,7 +228,7 @@ def _reap_the_embedded_server_when_gone() -> None:
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
-    server.start()
+    _start_embedded_server(server)
     process = server.server_process
     if process is None or process.poll() is not None or process.pid in _REAPERS:
         return
@@ -237,6 +239,35 @@ def _reap_the_embedded_server_when_gone() -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+
+
+# A fresh embedded Prefect database takes about 5 MB; a disk with less than this free
+# cannot hold it and the first batches of an index, and Prefect would retry its start
+# for PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (240 s here) before failing.
+MIN_FREE_BYTES = 16 * 1024 * 1024
+
+
+def _start_embedded_server(server: Any) -> None:
+    """Start Prefect's temporary server, or raise a QuarryError that says why it cannot
+    (a full disk under QUARRY_DATA_DIR, which Prefect reports as a timeout)."""
+    from quarry.errors import QuarryError
+
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect")
+    try:
+        free = shutil.disk_usage(home).free
+    except OSError:
+        free = None
+    where = f"Prefect's embedded database at {home} (under QUARRY_DATA_DIR)"
+    if free is not None and free < MIN_FREE_BYTES:
+        raise QuarryError(
+            f"{where} is on a disk with {free / 2**20:.1f} MiB free: free some space, or "
+            "point QUARRY_DATA_DIR at a disk that has it"
+        )
+    try:
+        server.start()
+    except RuntimeError as error:
+        space = f"; its disk has {free / 2**20:.0f} MiB free" if free is not None else ""
+        raise QuarryError(f"{where} did not start: {error}{space}") from error
 
 
 # The reapers' pipes, held open for the life of this process (their end is its end).

@@ -427,3 +427,30 @@ def test_every_quarry_error_survives_being_stored_and_loaded() -> None:
         loaded = pickle.loads(pickle.dumps(error))
         assert type(loaded) is type(error) and str(loaded) == str(error)
         assert vars(loaded) == vars(error)
+
+
+def test_an_embedded_prefect_on_a_full_disk_is_one_clear_error_not_a_long_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import flows
+    from quarry.errors import QuarryError
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    (tmp_path / "prefect").mkdir()
+    started: list[bool] = []
+
+    class Server:
+        def start(self) -> None:
+            started.append(True)
+            raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect")
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(flows.shutil, "disk_usage", lambda path: usage._replace(free=3 * 2**20))
+    with pytest.raises(QuarryError, match=r"3\.0 MiB free: free some space") as full:
+        flows._start_embedded_server(Server())
+    assert str(tmp_path / "prefect") in str(full.value) and started == []  # not waited on
+    monkeypatch.setattr(flows.shutil, "disk_usage", lambda path: usage._replace(free=2**30))
+    with pytest.raises(QuarryError, match=r"did not start: Timed out.*1024 MiB free"):
+        flows._start_embedded_server(Server())
