@@ -753,33 +753,46 @@ class RequestContext:
 _CLIENT_CLOSED = 499
 
 
+# A request answered within this long is not watched: a watching task per request
+# costs more than the little work that a client gone so soon leaves running.
+_WATCH_AFTER_S = 0.05
+
+
 class _DisconnectWatch:
     """Cancels a request whose client goes away before it is answered.
 
-    Once the body is in, a watcher waits for the server's ``http.disconnect``:
-    arriving before the answer has started, it cancels the request's task, so the
-    embedding service and the reranker are not kept busy for a caller that left
-    (a client that gave up and retries would otherwise add to the load each time).
-    After the answer the server sends the same message: nothing is cancelled then.
+    Once the body is in (and the request has run for ``_WATCH_AFTER_S``), a watcher
+    waits for the server's ``http.disconnect``: arriving before the answer has
+    started, it cancels the request's task, so the embedding service and the
+    reranker are not kept busy for a caller that left (a client that gave up and
+    retries would otherwise add to the load each time). After the answer the server
+    sends the same message: nothing is cancelled then.
     """
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._task: asyncio.Task[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._gone = asyncio.Event()
         self._answered = False
         self._cancelled = False
+        self._closed = False
 
     async def receive(self) -> Message:
         """The server's ``receive``; after the body, what the watcher saw."""
-        if self._watcher is not None:
+        if self._task is not None:
+            if self._answered and self._watcher is None:
+                return await self._receive()  # nothing watches: the server's own answer
+            self._start_watching()
             await self._gone.wait()
             return {"type": "http.disconnect"}
         message = await self._receive()
         if message["type"] == "http.request" and not message.get("more_body", False):
             self._task = asyncio.current_task()
-            self._watcher = asyncio.ensure_future(self._watch())
+            self._timer = asyncio.get_running_loop().call_later(
+                _WATCH_AFTER_S, self._start_watching
+            )
         return message
 
     def answering(self) -> None:
@@ -795,8 +808,15 @@ class _DisconnectWatch:
 
     def close(self) -> None:
         """Stop watching (the request is over)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
+
+    def _start_watching(self) -> None:
+        if self._watcher is None and not self._closed and not self._answered:
+            self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
         while True:
