@@ -252,12 +252,12 @@ def _start_embedded_server(server: Any) -> None:
     (a full disk under QUARRY_DATA_DIR, which Prefect reports as a timeout)."""
     from quarry.errors import QuarryError
 
-    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect")
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
     try:
         free = shutil.disk_usage(home).free
     except OSError:
         free = None
-    where = f"Prefect's embedded database at {home} (under QUARRY_DATA_DIR)"
+    where = f"Prefect's embedded database at {home} (PREFECT_HOME; by default in QUARRY_DATA_DIR)"
     if free is not None and free < MIN_FREE_BYTES:
         raise QuarryError(
             f"{where} is on a disk with {free / 2**20:.1f} MiB free: free some space, or "

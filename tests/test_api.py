@@ -773,6 +773,34 @@ def test_a_query_whose_client_goes_away_is_cancelled_not_finished(
     assert answered[0]["status"] == 200
 
 
+@pytest.mark.parametrize(("cancels", "taken_back"), [(1, True), (2, False)])
+def test_a_cancellation_the_server_also_asked_for_is_not_taken_back(
+    cancels: int, taken_back: bool
+) -> None:
+    import asyncio
+
+    from quarry.api import _DisconnectWatch
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def main() -> bool:
+        watch = _DisconnectWatch(receive)
+        task = asyncio.current_task()
+        assert task is not None
+        watch._task, watch._cancelled = task, True  # the watch cancelled it...
+        for _ in range(cancels):  # ...and, the second time, the server (its shutdown)
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.sleep(1)
+        answer = watch.cancelled_request()
+        while task.cancelling():
+            task.uncancel()
+        return answer
+
+    assert asyncio.run(main()) is taken_back
+
+
 def test_unknown_routes_and_methods_use_the_error_shape(app: TestClient) -> None:
     assert_error(app.get("/v2/query", headers=AUTH), 404, "not_found")
     assert_error(app.get("/v1/query", headers=AUTH), 405, "method_not_allowed")

@@ -229,7 +229,11 @@ def parse_retry_after(value: str | None) -> float | None:
         return max(0.0, parsed.timestamp() - time.time())
 
 
-_HTML_PAGE = re.compile(r"\s*<(?:!doctype\s+html|html|head|body|title|center|h1)\b", re.I)
+_HTML_PAGE = re.compile(
+    r"\ufeff?\s*(?:<\?xml[^>]*>\s*)?(?:<!--.*?-->\s*)*"
+    r"<(?:!doctype\s+html|html|head|body|title|center|h1)\b",
+    re.I | re.S,
+)
 _HTML_TITLE = re.compile(r"<title[^>]*>([^<]*)</title>", re.I)
 
 

@@ -800,10 +800,10 @@ class _DisconnectWatch:
         self._answered = True
 
     def cancelled_request(self) -> bool:
-        """Whether a cancellation of the request came from this watch; takes it back."""
+        """Whether a cancellation of the request came from this watch alone; takes it
+        back (one the server also asked for, at shutdown, stands)."""
         if self._cancelled and self._task is not None:
-            self._task.uncancel()
-            return True
+            return self._task.uncancel() == 0
         return False
 
     def close(self) -> None:
@@ -819,10 +819,14 @@ class _DisconnectWatch:
             self._watcher = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                break
+        try:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    break
+        except Exception as error:  # a server whose receive fails: nothing to watch
+            logger.debug("request_id=%s disconnect watch: %r", _current_request_id.get(), error)
+            return
         self._gone.set()
         if not self._answered and self._task is not None and not self._task.done():
             logger.info(

@@ -264,8 +264,11 @@ class IndexSync:
         self._stored: Fingerprint | None = None
         self._accepted_serving: list[Mapping[str, Any]] = []
         self._canary_error: QuarryError | None = None
-        # The embedding client's interruptions count when the model was last judged.
+        # The embedding client's interruptions count when the model was last judged, and
+        # what the collection holds to judge it against (its stored fingerprint, or the
+        # one this run created it with).
         self._interruptions_judged = 0
+        self._judged_against: Fingerprint | None = None
         # Set when the run is ending (Ctrl-C, a failure): batches write nothing more.
         # The condition guards the count of writes under way, which stop() waits out.
         self._stopping = threading.Event()
@@ -290,12 +293,12 @@ class IndexSync:
             report.notes.append(
                 f"created collection {self.store.alias!r} for {live.model.describe()}"
             )
-            self.fingerprint = live
+            self.fingerprint = self._judged_against = live
             return live
         stored = self.store.fingerprint()
         if stored is None:
             # A collection quarry did not create: nothing to compare with.
-            self.fingerprint = read_fingerprint(self.embedder)
+            self.fingerprint = self._judged_against = read_fingerprint(self.embedder)
             return self.fingerprint
         metadata = self.store.metadata()
         self._accepted_serving = list(metadata.get(META_ACCEPTED_SERVING) or [])
@@ -315,7 +318,7 @@ class IndexSync:
                 raise refused from None
             self._check(stored, live)  # raises, describing the live model truly
             claimed = live  # its vectors say otherwise after all: judged on them
-        self._stored = stored
+        self._stored = self._judged_against = stored
         recorded = metadata.get(META_CHUNKING)
         if recorded is not None:
             recorded_headings = bool(recorded.get("embed_headings", False))
@@ -368,12 +371,12 @@ class IndexSync:
             seen = self.embedder.interruptions
             if seen == self._interruptions_judged:
                 return  # another batch judged it meanwhile
-            judged = self.fingerprint
-            assert judged is not None, "prepare() must run first"
+            against = self._judged_against
+            assert against is not None, "prepare() must run first"
             self.embedder.refresh_info()
             live = read_fingerprint(self.embedder)
             try:
-                self._check(judged, live)
+                self._check(against, live)
             except QuarryError as error:
                 error.add_note(
                     "the embedding service was unreachable or down during the run and came "
@@ -583,8 +586,13 @@ class IndexSync:
             if self._stopping.is_set():  # cancelled by stop(), or a client closed since
                 return result
             raise
-        if texts:
-            self.judge_after_interruption()
+        if texts and not self._stopping.is_set():
+            try:
+                self.judge_after_interruption()
+            except Exception:
+                if self._stopping.is_set():  # stopped meanwhile: the run says why
+                    return result
+                raise
 
         points: list[models.PointStruct] = []
         written: list[tuple[Document, int, int]] = []

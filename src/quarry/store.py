@@ -14,6 +14,7 @@ searched as they are.
 
 from __future__ import annotations
 
+import errno
 import math
 import pickle
 import re
@@ -52,7 +53,9 @@ def _store_wide(error: BaseException) -> bool:
     if isinstance(error, sqlite3.Error | OSError | ResponseHandlingException | TimeoutError):
         return True  # local mode's database (disk full, I/O); the server's transport
     if isinstance(error, UnexpectedResponse):
-        return error.status_code is None or error.status_code >= 500
+        # 401/403: a wrong or read-only key; 404: the collection is gone under the run.
+        status = error.status_code
+        return status is None or status >= 500 or status in (401, 403, 404)
     code = getattr(error, "code", None)  # gRPC
     if callable(code):
         try:
@@ -158,13 +161,25 @@ LOCAL_STORAGE_ERRORS = (ValueError, OSError, sqlite3.DatabaseError, EOFError, pi
 
 
 def local_mode_unreadable(settings: Settings, error: BaseException) -> StoreError:
-    """The error for a local-mode Qdrant folder that cannot be read (damaged)."""
+    """The error for a local-mode Qdrant folder that cannot be read: damaged, or not
+    this process's to open (permissions, a read-only or full disk)."""
+    where = f"local-mode Qdrant at {settings.qdrant_path}"
+    if isinstance(error, OSError) and error.errno in _NOT_DAMAGE:
+        return StoreError(settings.collection, f"{where} cannot be opened: {error}")
+    if type(error).__name__ == "ValidationError":  # pydantic's: another qdrant-client wrote it?
+        return StoreError(
+            settings.collection,
+            f"{where} holds what this qdrant-client cannot read (written by another "
+            f"version?): {error}",
+        )
     return StoreError(
         settings.collection,
-        f"local-mode Qdrant at {settings.qdrant_path} cannot be read "
-        f"({type(error).__name__}: {error}): restore the folder from a backup, or move it "
-        "away and ingest again to build it anew",
+        f"{where} cannot be read ({type(error).__name__}: {error}): restore the folder "
+        "from a backup, or move it away and ingest again to build it anew",
     )
+
+
+_NOT_DAMAGE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EMFILE, errno.ENFILE}
 
 
 def _server_client(url: str, api_key: SecretStr | None, collection: str) -> QdrantClient:
