@@ -210,7 +210,9 @@ _TIMEOUT_STAGES = {
 
 
 def timeout_reason(error: BaseException) -> str:
-    """What a timeout from the HTTP client says, also when its own text is empty."""
+    """What a timeout (httpx2's, or openai's wrapping one) says, also when its text is empty."""
+    if not isinstance(error, httpx2.TimeoutException) and error.__cause__ is not None:
+        error = error.__cause__
     stage = _TIMEOUT_STAGES.get(type(error).__name__)
     said = str(error)
     return "timed out" + (f" {stage}" if stage else "") + (f": {said}" if said else "")
@@ -335,6 +337,11 @@ def connection_failure(error: BaseException) -> str:
     if isinstance(cause, httpx2.WriteError):
         return f"connection lost while sending the request: {said}"
     return f"cannot connect: {said}"
+
+
+def says_down(error: ServiceUnavailable) -> bool:
+    """A failure that says the service is unreachable or down (not busy, not this input)."""
+    return error.status in (None, 502, 503, 504)
 
 
 def answer_late(error: BaseException | None) -> bool:

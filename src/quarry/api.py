@@ -72,7 +72,7 @@ from quarry._async_clients import (
     open_async_qdrant,
     stored_fingerprint,
 )
-from quarry._http import RetryPolicy, TransientFailure
+from quarry._http import RetryPolicy, TransientFailure, says_down
 from quarry.config import Settings
 from quarry.errors import (
     BadResponse,
@@ -458,11 +458,6 @@ class _NoAnswer(ServiceUnavailable):
         self.reason = message  # for the client: without the url (which may be "")
 
 
-def _says_down(error: ServiceUnavailable) -> bool:
-    """A failure that says the service is unreachable or down (not busy, not this input)."""
-    return error.status in (None, 502, 503, 504)
-
-
 def _dependency_down(dependency: str, error: BaseException) -> ApiError:
     reason = error.reason if isinstance(error, _NoAnswer) else _reason(error)
     logger.warning(
@@ -480,7 +475,7 @@ def _dependency_down(dependency: str, error: BaseException) -> ApiError:
     # or failing on one input (500), it is asked by the next query.
     if isinstance(error, _CoolingDown):
         retry_after = error.retry_after_s
-    elif isinstance(error, ServiceUnavailable) and _says_down(error):
+    elif isinstance(error, ServiceUnavailable) and says_down(error):
         retry_after = _RETRY_AFTER_S.get(dependency, 1.0)
     else:
         retry_after = 1.0
@@ -989,7 +984,7 @@ class _Outage:
         """Record a failure (its retries spent): the cooldown starts now, when the service
         is unreachable or says it is down (502, 503, 504). A busy one (429) or one that
         failed on this input (424, 500) may serve the next query."""
-        if _says_down(error):
+        if says_down(error):
             self._last = (time.monotonic(), error)
         self._trial_since = None
 
@@ -1095,7 +1090,7 @@ class QueryService:
     def _retried_embedding(self, error: BaseException | None) -> None:
         """A query's embedding attempt failed and is retried: a service down even for a
         moment (restarting) may answer the retry as another model."""
-        if isinstance(error, TransientFailure) and _says_down(error) and not error.timed_out:
+        if isinstance(error, TransientFailure) and says_down(error) and not error.timed_out:
             self._seen_down = True  # (a timeout: slow, not gone)
 
     async def _judge_again(self, fingerprint: Fingerprint) -> None:
@@ -1184,7 +1179,7 @@ class QueryService:
             try:
                 answer = await request(retry=retry or self._embed_retry)
             except ServiceUnavailable as error:
-                if _says_down(error):
+                if says_down(error):
                     self._seen_down = True
                 if retry is None:
                     self._embedding_outage.failed(error)

@@ -47,6 +47,7 @@ from quarry._http import (
     json_answer,
     raise_for_status,
     request_json,
+    says_down,
     timeout_reason,
 )
 from quarry._pacing import Pacer
@@ -258,11 +259,7 @@ class EmbeddingClient:
     def _attempt_failed(
         self, chained: Callable[[BaseException | None], None] | None, error: BaseException | None
     ) -> None:
-        if (
-            isinstance(error, TransientFailure)
-            and not error.timed_out
-            and error.status in (None, 502, 503, 504)
-        ):
+        if isinstance(error, TransientFailure) and not error.timed_out and says_down(error):
             with self._count_lock:
                 self.interruptions += 1
         if chained is not None:

@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from qdrant_client import QdrantClient, models
 
 from quarry.config import Settings, make_data_folder
@@ -43,6 +43,13 @@ def unit_vector(vector: Sequence[float]) -> list[float]:
     if norm == 0 or abs(norm - 1) < 1e-5:  # the embedding clients' vectors already are
         return list(vector)
     return [x / norm for x in vector]
+
+
+def _write_failed(collection: str, what: str, error: BaseException) -> WriteFailed:
+    """The error for a write that raised ``error``: StoreUnavailable when it says Qdrant
+    can take no write at all (see :func:`_store_wide`)."""
+    failure = StoreUnavailable if _store_wide(error) else WriteFailed
+    return failure(collection, f"{what} failed: {error}")
 
 
 def _store_wide(error: BaseException) -> bool:
@@ -166,7 +173,7 @@ def local_mode_unreadable(settings: Settings, error: BaseException) -> StoreErro
     where = f"local-mode Qdrant at {settings.qdrant_path}"
     if isinstance(error, OSError) and error.errno in _NOT_DAMAGE:
         return StoreError(settings.collection, f"{where} cannot be opened: {error}")
-    if type(error).__name__ == "ValidationError":  # pydantic's: another qdrant-client wrote it?
+    if isinstance(error, ValidationError):  # another qdrant-client version wrote it?
         return StoreError(
             settings.collection,
             f"{where} holds what this qdrant-client cannot read (written by another "
@@ -658,8 +665,7 @@ class VectorStore:
                 with _one_transaction(self.client, name):
                     result = self._writer.upsert(name, points=list(points), wait=True)
             except Exception as error:  # qdrant-client raises transport-specific types
-                failure = StoreUnavailable if _store_wide(error) else WriteFailed
-                raise failure(name, f"upsert of {len(points)} points failed: {error}") from error
+                raise _write_failed(name, f"upsert of {len(points)} points", error) from error
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"upsert of {len(points)} points ended {result.status}")
 
@@ -676,9 +682,8 @@ class VectorStore:
                         name, payload=dict(fields), points=list(ids), key="metadata", wait=True
                     )
             except Exception as error:  # qdrant-client raises transport-specific types
-                failure = StoreUnavailable if _store_wide(error) else WriteFailed
-                raise failure(
-                    name, f"updating the metadata of {len(ids)} points failed: {error}"
+                raise _write_failed(
+                    name, f"updating the metadata of {len(ids)} points", error
                 ) from error
 
     def delete_stale_chunks(self, doc_id: str, chunk_count: int) -> None:
@@ -713,8 +718,7 @@ class VectorStore:
                     name, points_selector=models.FilterSelector(filter=selector), wait=True
                 )
             except Exception as error:
-                failure = StoreUnavailable if _store_wide(error) else WriteFailed
-                raise failure(name, f"delete failed: {error}") from error
+                raise _write_failed(name, "delete", error) from error
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"delete ended {result.status}")
 
