@@ -33,12 +33,10 @@ from quarry._http import (
     RetryPolicy,
     TransientFailure,
     async_http_client,
-    connection_failure,
     gave_up,
     info_timeout,
     json_answer,
     raise_for_status,
-    timeout_reason,
 )
 from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
 from quarry.embeddings import (
@@ -203,11 +201,9 @@ async def asend(
     try:
         response = await client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
-        raise TransientFailure(url, timeout_reason(error), status=None, retry_after=None) from error
+        raise TransientFailure.timeout(url, error) from error
     except httpx2.TransportError as error:
-        raise TransientFailure(
-            url, connection_failure(error), status=None, retry_after=None
-        ) from error
+        raise TransientFailure.transport(url, error) from error
     raise_for_status(
         url, response.status_code, response.content, response.headers, dialect_hint=dialect_hint
     )
@@ -242,13 +238,9 @@ async def afetch_info(
         try:
             response = await client.get(target, timeout=info_timeout(client.timeout, policy))
         except httpx2.TimeoutException as error:
-            raise TransientFailure(
-                target, timeout_reason(error), status=None, retry_after=None
-            ) from error
+            raise TransientFailure.timeout(target, error) from error
         except httpx2.TransportError as error:
-            raise TransientFailure(
-                target, connection_failure(error), status=None, retry_after=None
-            ) from error
+            raise TransientFailure.transport(target, error) from error
         if response.status_code in (404, 405):
             return None
         raise_for_status(target, response.status_code, response.content, response.headers)
@@ -399,13 +391,9 @@ class AsyncEmbeddingClient:
                     model=model, input=texts, encoding_format="base64"
                 )
             except openai.APITimeoutError as error:
-                raise TransientFailure(
-                    url, timeout_reason(error), status=None, retry_after=None
-                ) from error
+                raise TransientFailure.timeout(url, error) from error
             except openai.APIConnectionError as error:
-                raise TransientFailure(
-                    url, connection_failure(error), status=None, retry_after=None
-                ) from error
+                raise TransientFailure.transport(url, error) from error
             except openai.APIStatusError as error:
                 raise_for_status(
                     url, error.status_code, error.response.content, error.response.headers

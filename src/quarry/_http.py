@@ -167,6 +167,17 @@ class TransientFailure(ServiceUnavailable):
         self.retry_after = retry_after
         self.timed_out = timed_out  # no answer within the client's timeout
 
+    @classmethod
+    def timeout(cls, url: str, error: BaseException, *, late: bool = False) -> TransientFailure:
+        """No answer in time (httpx2's timeout, or openai's wrapping one); ``late``: the
+        service took too long to answer (see :func:`answer_late`)."""
+        return cls(url, timeout_reason(error), status=None, retry_after=None, timed_out=late)
+
+    @classmethod
+    def transport(cls, url: str, error: BaseException) -> TransientFailure:
+        """No connection, or one lost mid-exchange (httpx2's or openai's error)."""
+        return cls(url, connection_failure(error), status=None, retry_after=None)
+
 
 class _RetryAfterOrBackoff(tenacity.wait.wait_base):
     """Exponential backoff with jitter, but never shorter than the server's Retry-After."""
@@ -370,15 +381,11 @@ def send(
     try:
         response = client.request(method, url, json=json_body)
     except httpx2.TimeoutException as error:
-        raise TransientFailure(
-            url, timeout_reason(error), status=None, retry_after=None, timed_out=answer_late(error)
-        ) from error
+        raise TransientFailure.timeout(url, error, late=answer_late(error)) from error
     except httpx2.TransportError as error:
         if client.is_closed:
             raise CancelledError(f"{url}: abandoned, the client is closed") from error
-        raise TransientFailure(
-            url, connection_failure(error), status=None, retry_after=None
-        ) from error
+        raise TransientFailure.transport(url, error) from error
     raise_for_status(
         url,
         response.status_code,

@@ -41,14 +41,12 @@ from quarry._http import (
     TransientFailure,
     answer_late,
     call_with_retries,
-    connection_failure,
     http_client,
     info_timeout,
     json_answer,
     raise_for_status,
     request_json,
     says_down,
-    timeout_reason,
 )
 from quarry._pacing import Pacer
 from quarry.config import DEFAULT_QUERY_TASK
@@ -157,13 +155,9 @@ def fetch_info(
         try:
             response = client.get(target, timeout=info_timeout(client.timeout, policy))
         except httpx2.TimeoutException as error:
-            raise TransientFailure(
-                target, timeout_reason(error), status=None, retry_after=None
-            ) from error
+            raise TransientFailure.timeout(target, error) from error
         except httpx2.TransportError as error:
-            raise TransientFailure(
-                target, connection_failure(error), status=None, retry_after=None
-            ) from error
+            raise TransientFailure.transport(target, error) from error
         if response.status_code in (404, 405):
             return None
         raise_for_status(target, response.status_code, response.content, response.headers)
@@ -652,12 +646,8 @@ class EmbeddingClient:
                     cast_to=httpx2.Response,
                 )
             except openai.APITimeoutError as error:
-                raise TransientFailure(
-                    url,
-                    timeout_reason(error),
-                    status=None,
-                    retry_after=None,
-                    timed_out=answer_late(error.__cause__),
+                raise TransientFailure.timeout(
+                    url, error, late=answer_late(error.__cause__)
                 ) from error
             except openai.APIConnectionError as error:
                 if self._openai.is_closed():
@@ -665,9 +655,7 @@ class EmbeddingClient:
                     # fine, nobody reads the answer, and a retry would only hold the
                     # process for the retry budget saying "cannot connect".
                     raise CancelledError(f"{url}: abandoned, the client is closed") from error
-                raise TransientFailure(
-                    url, connection_failure(error), status=None, retry_after=None
-                ) from error
+                raise TransientFailure.transport(url, error) from error
             except openai.APIStatusError as error:
                 raise_for_status(
                     url,
