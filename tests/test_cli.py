@@ -916,6 +916,76 @@ def test_ctrl_c_outside_a_flow_is_interrupted_in_json(tmp_path: Path) -> None:
     assert "interrupted" in err
 
 
+# A command that is sent Ctrl-C at a chosen moment (the signal is real; the moment is
+# made certain by sending it from the command itself).
+CTRL_C_COMMAND = """
+import os, signal, sys, time
+from quarry import cli
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal
+when = sys.argv[1]
+
+@cli.app.command("ctrl-c-demo")
+def ctrl_c_demo(as_json: cli.JsonFlag = False) -> None:
+    if when == "loading":  # as while a command imports what it needs
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+
+    def human() -> None:
+        print("first line", flush=True)
+        if when == "printing":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        print("second line")
+
+    cli._emit(as_json, {"answer": 42}, human)
+    if when == "printed":  # as during the teardown after the result
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+
+sys.argv = ["quarry", "ctrl-c-demo", *sys.argv[2:]]
+cli.main()
+"""
+
+
+def _ctrl_c_demo(when: str, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CTRL_C_COMMAND, when, *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_ctrl_c_before_a_command_handles_errors_is_still_said() -> None:
+    # Model-migration trial: Ctrl-C a second into `quarry query --json` (while it
+    # imported its modules) exited 130 with nothing on stdout or stderr.
+    result = _ctrl_c_demo("loading", "--json")
+    assert result.returncode == 130, result.stderr
+    assert json.loads(result.stdout)["error"]["type"] == "interrupted"
+    assert "quarry: error: interrupted" in result.stderr
+    plain = _ctrl_c_demo("loading")
+    assert (plain.returncode, plain.stdout) == (130, "")
+    assert "quarry: error: interrupted" in plain.stderr
+
+
+def test_ctrl_c_after_the_result_was_printed_leaves_the_result_standing() -> None:
+    # Model-migration trial: Ctrl-C just after `quarry query --json` printed its
+    # answer exited 130 with the complete answer on stdout.
+    result = _ctrl_c_demo("printed", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"answer": 42}
+    assert "interrupted" not in result.stderr
+
+
+def test_ctrl_c_while_the_result_is_printed_lets_it_finish() -> None:
+    result = _ctrl_c_demo("printing")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "first line\nsecond line\n"
+    assert "interrupted" not in result.stderr
+
+
 def test_json_equals_value_still_gets_a_json_usage_error() -> None:
     result = run(["status", "--json=1"], {})
     assert result.returncode == 2

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -83,6 +84,11 @@ EncodingOption = Annotated[
 _json_errors = False
 # Set once a stopped ingest or reindex has said so (on stderr, and on stdout with --json).
 _stop_reported = False
+# Set once a failure has been said (``_fail``): main() then adds nothing.
+_failure_reported = False
+# The exit code of a command whose result ``_emit`` has printed (None before that): a
+# Ctrl-C after the result was printed does not make the command "interrupted".
+_emitted_code: int | None = None
 _ERROR_KINDS = {
     EXIT_FAILED: "failed",
     EXIT_USAGE: "usage",
@@ -122,6 +128,8 @@ def _json_when_stopped(code: int, message: str) -> None:
 
 
 def _fail(message: str, code: int) -> NoReturn:
+    global _failure_reported
+    _failure_reported = True
     typer.echo(f"quarry: error: {message}", err=True)
     if _json_errors:
         _echo_json_error(message, code)
@@ -238,11 +246,23 @@ def _json_text(data: dict[str, Any], **options: Any) -> str:
     return json.dumps(data, ensure_ascii=not readable, default=str, **options)
 
 
-def _emit(as_json: bool, data: dict[str, Any], human: Callable[[], None]) -> None:
-    if as_json:
-        typer.echo(_json_text(data, indent=2))
-    else:
-        human()
+def _emit(
+    as_json: bool, data: dict[str, Any], human: Callable[[], None], code: int = EXIT_OK
+) -> None:
+    """Print a command's result (``data`` with --json, else ``human()``); ``code`` is the
+    exit code that result stands for."""
+    global _emitted_code
+    # A Ctrl-C while the result is being written is let go: the work is done, and a
+    # result cut short (or followed by an "interrupted" object) would mislead a script.
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
+    try:
+        if as_json:
+            typer.echo(_json_text(data, indent=2))
+        else:
+            human()
+        _emitted_code = code
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @app.command()
@@ -344,7 +364,7 @@ def ingest(
         for note in summary.get("notes", []):
             typer.echo(f"  note: {note}")
 
-    _emit(as_json, summary, human)
+    _emit(as_json, summary, human, EXIT_OK if incomplete is None else EXIT_INCOMPLETE)
     if incomplete is not None:
         # Not an error object on stdout: the summary there says what failed, and how much.
         typer.echo(f"quarry: error: {incomplete}", err=True)
@@ -890,7 +910,7 @@ def parity(
         verdict = "passes" if report.passed else "does NOT pass"
         typer.echo(f"parity {verdict}" + (" and is recorded" if report.accepted else ""))
 
-    _emit(as_json, report.to_dict(), human)
+    _emit(as_json, report.to_dict(), human, EXIT_OK if report.passed else EXIT_FAILED)
     if not report.passed:
         raise typer.Exit(EXIT_FAILED)
 
@@ -966,6 +986,33 @@ def _run_for_json() -> int:
     return result if isinstance(result, int) else EXIT_OK
 
 
+def _run() -> int:
+    """Run the app in standalone mode (click prints usage errors itself); its exit code."""
+    try:
+        app()
+    except SystemExit as stop:
+        code = stop.code
+        if code is None or isinstance(code, int):
+            return code or EXIT_OK
+        typer.echo(code, err=True)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with ``code``, the command's outcome, which is said and flushed by now.
+
+    What follows (atexit handlers, closing connections, freeing modules) takes up to
+    a second; a Ctrl-C then ends the process at once with that same code, rather than
+    turning a finished command into "interrupted" (130) after its result was printed.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(OSError, ValueError):  # a closed pipe: nothing more can be said
+            stream.flush()
+    signal.signal(signal.SIGINT, lambda _signum, _frame: os._exit(code))
+    sys.exit(code)
+
+
 def main() -> None:
     """Console-script entry point."""
     global _json_errors
@@ -977,9 +1024,15 @@ def main() -> None:
     options = arguments[: arguments.index("--")] if "--" in arguments else arguments
     _json_errors = any(a == "--json" or a.startswith("--json=") for a in options)
     try:
+        code = _run_for_json() if _json_errors else _run()
+    except KeyboardInterrupt:  # between two commands' own handlers, or in typer's parsing
+        code = 130
+    if code == 130 and _emitted_code is not None:
+        code = _emitted_code  # the result was printed: the Ctrl-C came after the work
+    elif code == 130 and not (_failure_reported or _stop_reported):
+        # typer turns a Ctrl-C outside a command's error handling (while a command
+        # imports what it needs, say) into a silent exit 130: say what happened.
+        typer.echo("quarry: error: interrupted", err=True)
         if _json_errors:
-            sys.exit(_run_for_json())
-        app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
-        sys.exit(130)
+            _echo_json_error("interrupted", 130)
+    _exit(code)
