@@ -40,6 +40,27 @@ def write_corpus(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
+def recording_deletes(path: Path) -> Any:
+    """The real local-mode Qdrant client over ``path``, as quarry opens it, noting how
+    each delete chooses its points (``.deletes``: "FilterSelector", "PointIdsList")."""
+    from qdrant_client import QdrantClient
+
+    from quarry.store import tune_local_storage
+
+    class DeleteLog(QdrantClient):
+        def __init__(self) -> None:
+            super().__init__(path=str(path))
+            self.deletes: list[str] = []
+
+        def delete(self, collection_name: str, points_selector: Any, **kwargs: Any) -> Any:
+            self.deletes.append(type(points_selector).__name__)
+            return super().delete(collection_name, points_selector, **kwargs)
+
+    client = DeleteLog()
+    tune_local_storage(client)
+    return client
+
+
 def fail_listing(monkeypatch: pytest.MonkeyPatch, folder: str) -> None:
     """Make every folder named ``folder`` unlistable for quarry's loader (permission
     bits do not stop root, which the tests may run as)."""

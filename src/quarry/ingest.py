@@ -259,6 +259,11 @@ class IndexSync:
         # What the plans read: the sources scanned and the documents that had points then.
         self._planned_sources: set[str] = set()
         self._planned_documents: dict[str, DocState] = {}
+        # The chunk indexes a document has now, where this run knows them: as its plan
+        # read them, then as this run wrote them. A stale chunk is deleted by point id.
+        self._known_indexes: dict[str, set[int]] = {}
+        # Set when this run created the collection: no document has points it did not write.
+        self._created_collection = False
         # The canary of an existing collection is checked before the first embedding.
         self._canary_lock = threading.Lock()
         self._stored: Fingerprint | None = None
@@ -290,6 +295,7 @@ class IndexSync:
         if not self.store.exists():
             live = read_fingerprint(self.embedder)
             self.store.create(live, self.settings)
+            self._created_collection = True
             report.notes.append(
                 f"created collection {self.store.alias!r} for {live.model.describe()}"
             )
@@ -426,6 +432,11 @@ class IndexSync:
             )
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
+    def assume_empty(self) -> None:
+        """Say that the collection was created empty for this run (a reindex's build):
+        no document has points this run did not write, so none has stale chunks to find."""
+        self._created_collection = True
+
     def plan_documents(self, source: str) -> dict[str, DocState]:
         """Read the index state of the source named ``source`` and record it as planned.
 
@@ -436,6 +447,8 @@ class IndexSync:
         state = self.store.index_state(source)
         self._planned_sources.add(source)
         self._planned_documents.update(state)
+        for doc_id, doc in state.items():
+            self._known_indexes[doc_id] = doc.indexes  # replaced, never changed in place
         return state
 
     def unchanged_file(
@@ -633,8 +646,7 @@ class IndexSync:
                     # next sync mends it.
                     continue
                 try:
-                    if self._may_have_points(document):
-                        self.store.delete_stale_chunks(document.doc_id, count)
+                    self._delete_stale_chunks(document, count)
                 except StoreUnavailable:
                     raise
                 except QuarryError as error:
@@ -727,17 +739,29 @@ class IndexSync:
                     self._writes_under_way -= 1
                     self._writing.notify_all()
 
-    def _may_have_points(self, document: Document) -> bool:
-        """False only for a document that had no points when this run's plan read its source.
+    def _delete_stale_chunks(self, document: Document, count: int) -> None:
+        """Delete the points a longer version of ``document`` left from chunk ``count`` on.
 
-        Such a document has no stale chunks to delete: points left by earlier (even killed)
-        runs were there when the plan read them, and the one-writer lock keeps others out.
-        Skipping the delete matters on a first ingest: in local mode a filtered delete
-        scans the whole collection, once per document.
+        By point id where this run knows the document's chunk indexes: its plan read
+        them (points left by earlier, even killed, runs were there then, and the
+        one-writer lock keeps others out), or this run created the collection or wrote
+        the document. Otherwise by a filter on the document, which in local mode scans
+        the whole collection: once per changed document, that made an edit of 100
+        files in a 55,000-point collection take a minute, and a reindex quadratic.
         """
-        if document.uri.split("/", 1)[0] not in self._planned_sources:
-            return True
-        return document.doc_id in self._planned_documents
+        doc_id = document.doc_id
+        known = self._known_indexes.get(doc_id)
+        if known is None and (
+            self._created_collection or document.uri.split("/", 1)[0] in self._planned_sources
+        ):
+            known = set()  # no points when the plan (or the collection) began
+        if known is None:
+            self.store.delete_stale_chunks(doc_id, count)
+        else:
+            stale = sorted(index for index in known if index >= count)
+            if stale:
+                self.store.delete_points([point_id(doc_id, index) for index in stale])
+        self._known_indexes[doc_id] = set(range(count))
 
     def _embedding_text(self, chunk: Chunk) -> str:
         return self.embedding_text_for(chunk.text, chunk.headings)

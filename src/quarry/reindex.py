@@ -409,6 +409,7 @@ def _build(
         )
     else:
         sync.prepare(ingest)
+        sync.assume_empty()  # ``target`` was created for this build
         groups = stored_documents(
             store, interrupted=interrupted, chunkings=chunkings, doc_ids=served, rekey=rekey
         )

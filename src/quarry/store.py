@@ -697,6 +697,11 @@ class VectorStore:
             )
         )
 
+    def delete_points(self, ids: Sequence[str]) -> None:
+        """Delete points by id (a missing id is no error)."""
+        if ids:
+            self._delete(models.PointIdsList(points=list(ids)))
+
     def delete_documents(self, doc_ids: Sequence[str]) -> None:
         """Delete every point of the given documents."""
         if doc_ids:
@@ -710,13 +715,16 @@ class VectorStore:
                 )
             )
 
-    def _delete(self, selector: models.Filter) -> None:
+    def _delete(self, selector: models.Filter | models.PointIdsList) -> None:
         name = self._require()
+        points = (
+            models.FilterSelector(filter=selector)
+            if isinstance(selector, models.Filter)
+            else selector
+        )
         with self._write_lock:
             try:
-                result = self.client.delete(
-                    name, points_selector=models.FilterSelector(filter=selector), wait=True
-                )
+                result = self.client.delete(name, points_selector=points, wait=True)
             except Exception as error:
                 raise _write_failed(name, "delete", error) from error
         if result.status != models.UpdateStatus.COMPLETED:
