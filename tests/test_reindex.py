@@ -3,6 +3,7 @@ two seeds model a model change; another reported version models an engine change
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -580,6 +581,30 @@ def test_prune_keeps_the_rollback_target_and_other_aliases_collections(
     assert rollback(index.store) == (report.collection, original)
     with pytest.raises(StoreError, match="not built by a reindex"):
         rollback(index.store)
+
+
+def test_collections_names_no_rollback_target_that_prune_deleted(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    # Model-migration trial: after a prune and a rollback, `collections --json` gave the
+    # live collection a "previous" (its rollback target, as documented) that was gone.
+    from typer.testing import CliRunner
+
+    from quarry.cli import app
+
+    index.ingest(old_model.url)
+    first = index.store.alias_target()
+    middle = reindex(index.store, lambda store: index.sync(new_model.url, store)).collection
+    last = reindex(index.store, lambda store: index.sync(old_model.url, store)).collection
+    assert prune(index.store, keep=2) == [first]
+    assert rollback(index.store) == (last, middle)  # middle was built over first
+    index.store.close()
+    env = {"QUARRY_DATA_DIR": str(index.settings.data_dir), "QUARRY_COLLECTION": "kb"}
+    listed = CliRunner().invoke(app, ["collections", "--json"], env=env)
+    assert listed.exit_code == 0, listed.output
+    previous = {row["name"]: row["previous"] for row in json.loads(listed.stdout)["collections"]}
+    assert previous == {last: middle, middle: None}
+    index.store = VectorStore(open_client(index.settings), "kb")
 
 
 def test_reindex_from_source_leaves_out_a_file_ingest_never_indexed(

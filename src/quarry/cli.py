@@ -616,16 +616,19 @@ def collections(collection: CollectionOption = None, as_json: JsonFlag = False) 
         finally:
             store.close()
     rows: list[dict[str, Any]] = []
+    names = {info.name for info in found}
     for info in found:
         fingerprint = dict(info.metadata.get(META_FINGERPRINT) or {})
         fingerprint.pop("canary", None)
+        previous = info.metadata.get(META_PREVIOUS)
         rows.append(
             {
                 "name": info.name,
                 "aliases": list(info.aliases),
                 "points": info.points,
                 "fingerprint": fingerprint or None,
-                "previous": info.metadata.get(META_PREVIOUS),
+                # What a rollback returns to: none once prune has deleted it.
+                "previous": previous if previous in names else None,
                 # "building" (under way, or its reindex was killed), "refused" (kept by
                 # the --min-ndcg gate), "complete"; null for one an ingest created.
                 "build": info.metadata.get(META_BUILD),
