@@ -359,6 +359,25 @@ def test_a_build_says_how_far_it_got_and_prune_drops_unfinished_ones_first(
     }
 
 
+def test_a_reindex_after_a_killed_one_names_the_build_it_left(
+    index: Index, old_model: LocalTEIServer, new_model: LocalTEIServer
+) -> None:
+    # Model-migration trial: the rerun after a `kill -9` said nothing of the half build.
+    index.ingest(old_model.url)
+    fingerprint = index.store.fingerprint()
+    assert fingerprint is not None
+    killed = index.store.create_physical(fingerprint, {}, extra_metadata={META_BUILD: BUILDING})
+    report = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert report.switched
+    [note] = [n for n in report.notes if "unfinished build" in n]
+    assert killed in note and "quarry prune" in note
+    again = reindex(index.store, lambda store: index.sync(old_model.url, store))
+    assert any(killed in n for n in again.notes)  # until it is pruned
+    prune(index.store, keep=2)
+    third = reindex(index.store, lambda store: index.sync(new_model.url, store))
+    assert not any("unfinished build" in n for n in third.notes)
+
+
 def test_engine_change_needs_accepted_parity(
     index: Index, old_model: LocalTEIServer, upgraded_engine: LocalTEIServer
 ) -> None:

@@ -363,6 +363,17 @@ def reindex(
         raise
     report.switched = True
     progress(f"alias {store.alias} -> {physical}")
+    leftovers = [
+        info.name
+        for info in store.collections()
+        if info.metadata.get(META_BUILD) == BUILDING and info.name != physical
+    ]
+    if leftovers:  # one writer at a time: no other reindex is building them
+        report.notes.append(
+            f"{len(leftovers)} unfinished build(s) of earlier reindexes that were killed "
+            f"are left, never served ({', '.join(leftovers)}); `quarry prune` deletes them "
+            "first"
+        )
     return report
 
 
