@@ -400,7 +400,10 @@ class AsyncEmbeddingClient:
                 )
                 raise
             body = json_answer(url, response.http_response)
-            return _decode_openai(url, body, len(texts), (), unit=unit)
+            vectors: list[list[float]] = _decode_openai(
+                url, body, len(texts), (), unit=unit
+            ).tolist()
+            return vectors
 
         return await acall_with_retries(policy, url, attempt)
 

@@ -73,6 +73,11 @@ DEFAULT_BATCH_SIZE = 32
 
 EmbedDialect = Literal["auto", "tei", "openai"]
 
+#: One embedding: a float32 row as the service's answer is decoded (4 bytes a value;
+#: a list of Python floats costs 32, which for every chunk of a 200 MB file awaiting
+#: its write was gigabytes), or a list of floats as the store gives them back.
+Vector = list[float] | npt.NDArray[np.float32]
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceInfo:
@@ -132,7 +137,7 @@ class EmbeddedPart:
     """One embedded piece of an input: the input itself, or a part of it after a split."""
 
     text: str
-    vector: list[float]
+    vector: Vector
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +319,8 @@ class EmbeddingClient:
         """Embed a search query, formatted by the model's prompt profile and ``task``
         (the index's recorded task; the client's configured one when not given)."""
         text = self.profile.format_query(query, task or self.query_task)
-        return self._post_batch([text], documents=())[0]
+        vector: list[float] = self._post_batch([text], documents=())[0].tolist()
+        return vector
 
     def embed_raw(self, texts: Sequence[str]) -> list[list[float]]:
         """Embed texts exactly as given, one request per batch, no splitting (probes, canary).
@@ -324,7 +330,7 @@ class EmbeddingClient:
         out: list[list[float]] = []
         for start in range(0, len(texts), self.batch_size):
             batch = list(texts[start : start + self.batch_size])
-            out.extend(self._post_batch(batch, (), unit=False))
+            out.extend(self._post_batch(batch, (), unit=False).tolist())
         return out
 
     def embed_passages(
@@ -572,7 +578,7 @@ class EmbeddingClient:
 
     def _post_batch(
         self, texts: list[str], documents: Sequence[str], *, unit: bool = True
-    ) -> list[list[float]]:
+    ) -> npt.NDArray[np.float32]:
         """One embedding request, paced (see quarry._pacing): a request that timed out
         behind others is sent again with fewer in flight."""
         pacer = self._pacer()
@@ -613,7 +619,7 @@ class EmbeddingClient:
 
     def _post_tei(
         self, texts: list[str], documents: Sequence[str], unit: bool
-    ) -> list[list[float]]:
+    ) -> npt.NDArray[np.float32]:
         url = f"{self.base_url}/embed"
         body = request_json(
             self._http,
@@ -626,14 +632,14 @@ class EmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)
-        return vector_rows(url, body, documents, unit=unit)
+        return vector_matrix(url, body, documents, unit=unit)
 
     def _post_openai(
         self, texts: list[str], documents: Sequence[str], unit: bool
-    ) -> list[list[float]]:
+    ) -> npt.NDArray[np.float32]:
         url = f"{self.base_url}/v1/embeddings"
 
-        def attempt() -> list[list[float]]:
+        def attempt() -> npt.NDArray[np.float32]:
             if self._openai.is_closed():
                 raise CancelledError(f"{url}: abandoned, the client is closed")
             try:
@@ -708,7 +714,7 @@ def _keep_usable(
 
 def _decode_openai(
     url: str, body: Any, expected: int, documents: Sequence[str], *, unit: bool = True
-) -> list[list[float]]:
+) -> npt.NDArray[np.float32]:
     """Vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or len(data) != expected:
@@ -728,14 +734,22 @@ def _decode_openai(
                 rows[index] = None  # not base64 of float32s: that input fails alone
         else:
             rows[index] = embedding  # a list, or None and the like: that input fails alone
-    return vector_rows(url, rows, documents, unit=unit)
+    return vector_matrix(url, rows, documents, unit=unit)
 
 
 def vector_rows(
     url: str, rows: Sequence[Any], documents: Sequence[str] = (), *, unit: bool = True
 ) -> list[list[float]]:
-    """``rows`` (float lists or arrays, one per input) as lists, scaled to unit length
-    when ``unit``.
+    """:func:`vector_matrix` as lists of floats (a query's vector, a probe's)."""
+    matrix: list[list[float]] = vector_matrix(url, rows, documents, unit=unit).tolist()
+    return matrix
+
+
+def vector_matrix(
+    url: str, rows: Sequence[Any], documents: Sequence[str] = (), *, unit: bool = True
+) -> npt.NDArray[np.float32]:
+    """``rows`` (float lists or arrays, one per input) as a float32 matrix, each row
+    scaled to unit length when ``unit``.
 
     A row that is missing, not a list of numbers, of another length than the others
     (one model gives every input the same dimensions), all zeros, or holding a
@@ -744,7 +758,7 @@ def vector_rows(
     ``url`` and ``documents`` when no row is usable at all.
     """
     if not rows:
-        return []
+        return np.empty((0, 0), dtype=np.float32)
     matrix: npt.NDArray[np.float32] | None
     try:
         matrix = np.asarray(rows, dtype=np.float32)
@@ -764,10 +778,9 @@ def vector_rows(
     ).tolist()
     if unit:
         np.divide(matrix, norms, out=matrix, where=np.isfinite(norms) & (norms > 0))
-    result: list[list[float]] = matrix.tolist()
     if not all(usable):
-        raise UnusableEmbeddings(url, result, usable, documents)
-    return result
+        raise UnusableEmbeddings(url, list(matrix), usable, documents)
+    return matrix
 
 
 def _salvage(rows: Sequence[Any]) -> npt.NDArray[np.float32] | None:
@@ -801,12 +814,12 @@ class UnusableEmbeddings(BadResponse):
     def __init__(
         self,
         url: str,
-        vectors: list[list[float]],
+        vectors: Sequence[Vector],
         usable: list[bool],
         documents: Sequence[str] = (),
     ) -> None:
         super().__init__(url, _UNUSABLE, documents=documents)
-        self.vectors: list[list[float] | None] = [
+        self.vectors: list[Vector | None] = [
             vector if ok else None for vector, ok in zip(vectors, usable, strict=True)
         ]
 

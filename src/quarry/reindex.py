@@ -223,7 +223,7 @@ def verify(target: VectorStore, sync: IndexSync, expected_points: int) -> tuple[
     for key in chosen:
         records = target.retrieve(split[key], part_fields, with_vectors=True)
         for part in _stored_parts(sync, records):
-            checks.append((part.vector, format_passage(part.text)))
+            checks.append((list(part.vector), format_passage(part.text)))
     if not checks:
         return 0, None
     vectors = sync.embedder.embed_raw([text for _, text in checks])
