@@ -140,6 +140,44 @@ def test_chunk_json_shape(tmp_path: Path) -> None:
     assert (chunks[0]["uri"], chunks[0]["page"]) == (f"{tmp_path.name}/g.md", None)
 
 
+def _peak_rss_of_chunk(path: Path) -> tuple[int, str]:
+    """The peak resident memory (bytes) of ``quarry chunk PATH --json``, and its stdout."""
+    measure = (
+        "import resource, subprocess, sys; "
+        "out = subprocess.run(sys.argv[1:], capture_output=True, text=True, check=True).stdout; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.stdout.write(out)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUARRY_")}
+    result = subprocess.run(
+        [sys.executable, "-c", measure, *QUARRY, "chunk", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    peak, _, stdout = result.stdout.partition("\n")
+    return int(peak) * 1024, stdout  # ru_maxrss is in kB on Linux
+
+
+def test_chunk_json_of_a_big_file_is_written_as_made_not_held_whole(tmp_path: Path) -> None:
+    # The whole list of chunks and then its JSON text held 13 times the file at once.
+    paragraph = "Granite was cut here in terraces until the pumps stopped. " * 6
+    big = tmp_path / "big.md"
+    big.write_text("# Quarry\n\n" + "\n\n".join(f"{i}. {paragraph}" for i in range(24_000)))
+    (tmp_path / "small.md").write_text("# Quarry\n\nOne short paragraph.\n")
+    baseline, _ = _peak_rss_of_chunk(tmp_path / "small.md")
+    peak, stdout = _peak_rss_of_chunk(big)
+    size = big.stat().st_size
+    assert size > 8_000_000
+    assert peak - baseline < 6 * size, f"{(peak - baseline) / size:.1f}x the file"
+    answer = json.loads(stdout)  # whole and valid, laid out as json.dumps lays it out
+    assert stdout == json.dumps(answer, indent=2, ensure_ascii=False) + "\n"
+    assert answer["encoding"] == "utf-8" and answer["chunks"][-1]["char_end"] == len(
+        big.read_text()
+    )
+
+
 def test_chunk_json_keeps_cjk_readable_where_stdout_takes_utf8(tmp_path: Path) -> None:
     (tmp_path / "ja.txt").write_text("検索システムは文書を分割します。" * 40, encoding="utf-8")
     args = ["chunk", str(tmp_path / "ja.txt"), "--max-tokens", "64", "--json"]

@@ -768,10 +768,12 @@ class Chunker:
 
     def chunk(self, document: Document) -> list[Chunk]:
         """All chunks of a document, numbered from 0, with offsets into ``document.text``."""
+        return list(self.iter_chunks(document))
+
+    def iter_chunks(self, document: Document) -> Iterator[Chunk]:
+        """The chunks of :meth:`chunk`, lazily (a few held at a time)."""
         content_type = str(document.metadata.get("content_type", "") or "")
-        return list(
-            self.chunk_text(document.text, document.doc_id, markup=markup_for(content_type))
-        )
+        return self.chunk_text(document.text, document.doc_id, markup=markup_for(content_type))
 
     def chunk_text(
         self, text: str, doc_id: str = "", *, markup: Markup = "markdown"

@@ -13,7 +13,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, closing, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -89,6 +89,9 @@ _failure_reported = False
 # The exit code of a command whose result ``_emit`` has printed (None before that): a
 # Ctrl-C after the result was printed does not make the command "interrupted".
 _emitted_code: int | None = None
+# Set once a result began to be written as it is made (quarry chunk): an error after
+# that goes to stderr only, never as a second JSON object after a cut-off first.
+_output_started = False
 _ERROR_KINDS = {
     EXIT_FAILED: "failed",
     EXIT_USAGE: "usage",
@@ -114,6 +117,8 @@ def _utf8_text(text: str) -> str:
 
 
 def _echo_json_error(message: str, code: int) -> None:
+    if _output_started:  # stdout holds a result cut short: the exit code and stderr say it
+        return
     message = _utf8_text(message)
     error = {"type": _ERROR_KINDS.get(code, "failed"), "message": message, "exit_code": code}
     typer.echo(_json_text({"error": error}))
@@ -240,7 +245,7 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _json_text(data: dict[str, Any], **options: Any) -> str:
+def _json_text(data: Any, **options: Any) -> str:
     """``data`` as JSON for stdout: text as it is (CJK, emoji) where stdout takes UTF-8."""
     readable = (sys.stdout.encoding or "").lower().replace("-", "") == "utf8"
     return json.dumps(data, ensure_ascii=not readable, default=str, **options)
@@ -263,6 +268,32 @@ def _emit(
         _emitted_code = code
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _stream_json(key: str, items: Iterable[dict[str, Any]], rest: Mapping[str, Any]) -> None:
+    """Write ``{key: [*items], **rest}`` as :func:`_emit` would (indented by 2), an item
+    at a time as ``items`` yields them. A Ctrl-C cuts it short (exit 130, the JSON
+    unfinished): unlike a result already made, the writing is the work."""
+    global _output_started
+    _output_started = True
+    write = sys.stdout.write
+    write("{\n" + f"  {_json_text(key)}: [")
+    first = True
+    for item in items:
+        item_text = _json_text(item, indent=2).replace("\n", "\n    ")
+        write(("\n    " if first else ",\n    ") + item_text)
+        first = False
+    write("]" if first else "\n  ]")
+    for name, value in rest.items():
+        write(f",\n  {_json_text(name)}: " + _json_text(value, indent=2).replace("\n", "\n  "))
+    write("\n}\n")
+    _done_writing(EXIT_OK)
+
+
+def _done_writing(code: int) -> None:
+    """Note that a command's whole result was written, standing for exit ``code``."""
+    global _emitted_code
+    _emitted_code = code
 
 
 @app.command()
@@ -460,35 +491,37 @@ def chunk(
             # Named as given (not by the uri an ingest would use), and nothing is "skipped".
             reason = re.sub(r"[,;] skipped$", "", error.reason)
             raise UnreadableDocument(str(file), reason) from None
-        # A PDF is one document per page: each chunk says which, its offsets are into it.
-        chunks = [(d, c) for d in documents for c in chunker.chunk(d)]
-    data = {
-        "chunks": [
-            {
-                "uri": d.uri,
-                "page": d.metadata.get("page"),
-                "index": c.index,
-                "text": c.text,
-                "token_count": c.token_count,
-                "headings": list(c.headings),
-                "char_start": c.char_start,
-                "char_end": c.char_end,
-            }
-            for d, c in chunks
-        ],
         # What the file was read as: a legacy encoding is detected unless --encoding says.
-        "encoding": (
+        read_as = (
             documents[0].metadata.get("encoding", "utf-8")
             if documents and documents[0].metadata.get("content_type") != "application/pdf"
             else None
-        ),
-    }
-
-    def human() -> None:
-        if data["encoding"] not in (None, "utf-8"):
-            typer.echo(f"{file}: read as {data['encoding']}", err=True)
-        if not chunks:
-            typer.echo(f"{file}: no text, so no chunks (an ingest indexes nothing of it)")
+        )
+        if read_as not in (None, "utf-8") and not as_json:
+            typer.echo(f"{file}: read as {read_as}", err=True)
+        # A PDF is one document per page: each chunk says which, its offsets are into it.
+        # Written as they are made: a 200 MB file's chunks are never all held, nor its JSON.
+        chunks = ((d, c) for d in documents for c in chunker.iter_chunks(d))
+        if as_json:
+            _stream_json(
+                "chunks",
+                (
+                    {
+                        "uri": d.uri,
+                        "page": d.metadata.get("page"),
+                        "index": c.index,
+                        "text": c.text,
+                        "token_count": c.token_count,
+                        "headings": list(c.headings),
+                        "char_start": c.char_start,
+                        "char_end": c.char_end,
+                    }
+                    for d, c in chunks
+                ),
+                {"encoding": read_as},
+            )
+            return
+        written = 0
         for d, c in chunks:
             where = " > ".join(c.headings)
             page = d.metadata.get("page")
@@ -499,8 +532,10 @@ def chunk(
                 + (f" [{where}]" if where else "")
             )
             typer.echo(c.text)
-
-    _emit(as_json, data, human)
+            written += 1
+        if not written:
+            typer.echo(f"{file}: no text, so no chunks (an ingest indexes nothing of it)")
+        _done_writing(EXIT_OK)
 
 
 def _accepted_serving(metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
