@@ -211,3 +211,34 @@ def test_a_long_document_whose_chunks_the_service_splits_counts_every_part(
         assert report.failures == [] and _complete(harness)
         assert {p["chunk_count"] for p in points} == {len(points)}
         _assert_as_written_whole(harness, tmp_path / "whole", server.url, monkeypatch)
+
+
+def test_a_long_document_split_by_the_service_and_cut_off_reads_unfinished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every chunk comes back in two parts, so the first window alone makes as many
+    # points as the document has chunks: counted by chunks, it would read as complete.
+    monkeypatch.setattr(quarry.ingest, "LONG_DOCUMENT_CHUNKS", 12)
+    monkeypatch.setattr(quarry.ingest, "LONG_DOCUMENT_WINDOW", 12)
+    paragraphs = [
+        f"Paragraph {i} tells of quarry number {i}: granite cut in terraces, "
+        "then flooded when the pumps stopped. " * 2
+        for i in range(24)
+    ]
+    text = "# Quarries\n\n" + "\n\n".join(paragraphs) + "\n"
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=40)) as server:
+        harness = _harness(tmp_path, server.url, text)
+
+        def service_goes_down(call: int) -> None:
+            if call == 2:
+                raise ServiceUnavailable(server.url, "connection refused")
+
+        with monkeypatch.context() as patch:
+            _record_calls(patch, service_goes_down)
+            with pytest.raises(ServiceUnavailable):
+                harness.run()
+        assert len(harness.points()) == 24  # 12 chunks in 24 parts, of 24 chunks
+        assert not _complete(harness)
+        report = harness.run()
+        assert report.documents_embedded == 1 and _complete(harness)
+        _assert_as_written_whole(harness, tmp_path / "whole", server.url, monkeypatch)

@@ -67,6 +67,9 @@ UPSERT_BATCH = 256
 # (see IndexSync._write_long); at 1024 dimensions a window's vectors are 16 MB.
 LONG_DOCUMENT_CHUNKS = 4096
 LONG_DOCUMENT_WINDOW = 4096
+# The chunk_count of a long document's points while it is being written, once the
+# service split a chunk (no document has it, so none reads as complete with it).
+CHUNK_COUNT_PENDING = -1
 # Stored points read per request when a re-written document's vectors are reused.
 REUSE_READ_PAGE = 1024
 _REUSE_FIELDS = (
@@ -692,13 +695,17 @@ class IndexSync:
         Holding every chunk's vector until the last was embedded made one 200 MB file
         take gigabytes; written as they come, one window's vectors are the most held,
         and a run killed half way leaves the first half for the next to reuse. Points
-        carry the number of chunks as ``chunk_count`` from the first window (set again
-        at the end should the service have split some), so until the last window is
+        carry the number of chunks as ``chunk_count``, so until the last window is
         written the document reads as incomplete, and the next sync writes it again.
-        A chunk the service rejects fails the document, its earlier windows written.
+        Once the service has split a chunk in parts that number is no longer the
+        points', and written windows could add up to it: from that window on points
+        carry CHUNK_COUNT_PENDING, and all of them get the real count at the end.
+        A chunk the service rejects fails the document, its earlier windows written
+        (the old version's later chunks stay beside them until the next sync).
         """
         reusable = self._reusable_chunks(document)
-        written = reused = tokens = 0
+        written = reused = 0
+        split = False
         for start in range(0, len(chunks), LONG_DOCUMENT_WINDOW):
             if self._stopping.is_set():
                 return
@@ -719,6 +726,7 @@ class IndexSync:
                     return
                 raise
             outcomes: list[list[EmbeddedPart]] = []
+            tokens = 0
             for chunk, text in zip(window, texts, strict=True):
                 vector = stored.get(text)
                 if vector is not None:
@@ -729,19 +737,19 @@ class IndexSync:
                 if isinstance(outcome, EmbedFailure):
                     kept = f" (its first {written} chunks were written)" if written else ""
                     result.failures.append(Failure(document.uri, f"{outcome.error}{kept}"))
-                    result.tokens_embedded += tokens
                     return
                 outcomes.append(outcome)
                 tokens += chunk.token_count
+            split = split or any(len(parts) > 1 for parts in outcomes)
+            count = CHUNK_COUNT_PENDING if split else len(chunks)
             doc_points = self._points(
-                document, window, outcomes, chunking, first_index=written, chunk_count=len(chunks)
+                document, window, outcomes, chunking, first_index=written, chunk_count=count
             )
             with self._write_slot() as open_:
                 if not open_:
                     return
                 failed = self._upsert([doc_points])
             result.tokens_embedded += tokens
-            tokens = 0
             if failed:
                 result.failures.append(Failure(document.uri, failed[document.doc_id]))
                 return
@@ -749,7 +757,7 @@ class IndexSync:
         with self._write_slot() as open_:
             if not open_:
                 return
-            if written != len(chunks):  # the service split some chunks in parts
+            if split:
                 ids = [point_id(document.doc_id, index) for index in range(written)]
                 try:
                     self.store.set_payload_fields(ids, {"chunk_count": written})
@@ -758,6 +766,8 @@ class IndexSync:
                 except QuarryError as error:
                     result.failures.append(Failure(document.uri, f"write failed: {error}"))
                     return
+            if self._stopping.is_set():  # as write_chunked: stale chunks wait for the next sync
+                return
             self._finish_document(document, written, reused, result)
 
     def _reusable_chunks(self, document: Document) -> dict[bytes, str]:
