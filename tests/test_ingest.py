@@ -332,6 +332,22 @@ def test_progress_counts_files_with_a_pdf_s_pages_as_one_file(harness: Harness) 
     assert states[-1] == IngestProgress(5, 5, 0, 0, 0)
 
 
+def test_progress_moves_while_unchanged_files_are_checked(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between two batches a run may check thousands of unchanged files: it said
+    # nothing until the next batch was collected, or the source ended.
+    import quarry.ingest
+
+    harness.run()
+    monkeypatch.setattr(quarry.ingest, "PROGRESS_TICK_SECONDS", 0.0)
+    states: list[IngestProgress] = []
+    harness.run(progress=states.append)
+    done = [state.files_done for state in states]
+    assert done == sorted(done) and done[-1] == len(CORPUS)
+    assert set(range(len(CORPUS) + 1)) <= set(done), done  # one file at a time
+
+
 def test_progress_never_goes_backwards_when_a_pdf_spans_batches(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -6,6 +6,7 @@ small so that a document of a few dozen chunks is "long".
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,32 @@ def test_a_long_document_split_by_the_service_and_cut_off_reads_unfinished(
         report = harness.run()
         assert report.documents_embedded == 1 and _complete(harness)
         _assert_as_written_whole(harness, tmp_path / "whole", server.url, monkeypatch)
+
+
+def test_progress_counts_a_long_document_s_chunks_as_its_windows_are_written(
+    tmp_path: Path, tei: LocalTEIServer, windowed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from quarry.ingest import IndexSync, IngestProgress
+
+    monkeypatch.setattr(quarry.ingest, "PROGRESS_TICK_SECONDS", 0.02)
+    harness = _harness(tmp_path, tei.url)
+    seen: list[IngestProgress] = []
+    embed = EmbeddingClient.embed_passages
+
+    def slow_embed(self: EmbeddingClient, texts: Sequence[str], **kw: Any) -> list[EmbedResult]:
+        time.sleep(0.2)  # a window long enough for the run to say how far it has got
+        return embed(self, texts, **kw)
+
+    monkeypatch.setattr(EmbeddingClient, "embed_passages", slow_embed)
+    with ThreadPoolExecutor(1) as pool:
+
+        def in_a_thread(sync: IndexSync, documents: list[Any]) -> Any:
+            return pool.submit(sync.write_batch, documents)
+
+        report = harness.run(submit=in_a_thread, progress=seen.append)
+    during = {p.chunks_embedded for p in seen if p.files_done == 0}
+    assert any(0 < chunks < report.chunks_embedded for chunks in during), during
+    told = [p.chunks_embedded for p in seen]
+    assert told == sorted(told) and told[-1] == report.chunks_embedded

@@ -188,6 +188,9 @@ class IngestProgress:
 
 PROGRESS_SECONDS = 30.0
 """A long run says how far it has got at most this often."""
+PROGRESS_TICK_SECONDS = 1.0
+"""How often a run passes its progress on while it waits for a batch or checks files
+(the callback decides what to show: a live line, a log line every PROGRESS_SECONDS)."""
 
 
 def every(seconds: float) -> Callable[[], bool]:
@@ -272,6 +275,9 @@ class IndexSync:
         self._known_indexes: dict[str, set[int]] = {}
         # Set when this run created the collection: no document has points it did not write.
         self._created_collection = False
+        # Chunks embedded and written of long documents not finished yet (for progress).
+        self._chunks_under_way = 0
+        self._under_way_lock = threading.Lock()
         # The canary of an existing collection is checked before the first embedding.
         self._canary_lock = threading.Lock()
         self._stored: Fingerprint | None = None
@@ -687,8 +693,33 @@ class IndexSync:
         result.chunks_embedded += count - reused
         result.chunks_reused += reused
 
+    @property
+    def chunks_under_way(self) -> int:
+        """Chunks embedded and written of long documents still being written: they are
+        in no batch's result yet, and a progress line that waited for one would stand
+        still for the whole of a big file."""
+        return self._chunks_under_way
+
+    def _count_under_way(self, chunks: int) -> None:
+        with self._under_way_lock:
+            self._chunks_under_way += chunks
+
     def _write_long(
         self, document: Document, chunks: list[Chunk], chunking: str | None, result: BatchResult
+    ) -> None:
+        counted: list[int] = []
+        try:
+            self._write_long_windows(document, chunks, chunking, result, counted)
+        finally:  # the batch's result counts them now, or they were not finished
+            self._count_under_way(-sum(counted))
+
+    def _write_long_windows(
+        self,
+        document: Document,
+        chunks: list[Chunk],
+        chunking: str | None,
+        result: BatchResult,
+        counted: list[int],
     ) -> None:
         """Embed and write a document of many chunks a window at a time.
 
@@ -726,12 +757,12 @@ class IndexSync:
                     return
                 raise
             outcomes: list[list[EmbeddedPart]] = []
-            tokens = 0
+            tokens = window_reused = 0
             for chunk, text in zip(window, texts, strict=True):
                 vector = stored.get(text)
                 if vector is not None:
                     outcomes.append([EmbeddedPart(text, vector)])
-                    reused += 1
+                    window_reused += 1
                     continue
                 outcome = next(embedded)
                 if isinstance(outcome, EmbedFailure):
@@ -754,6 +785,9 @@ class IndexSync:
                 result.failures.append(Failure(document.uri, failed[document.doc_id]))
                 return
             written += len(doc_points)
+            reused += window_reused
+            counted.append(len(doc_points) - window_reused)
+            self._count_under_way(counted[-1])
         with self._write_slot() as open_:
             if not open_:
                 return
@@ -1475,7 +1509,8 @@ def run_sync(
     flight, so memory stays bounded whatever the corpus size. The failures of
     files that could not be loaded (a part of the report's ``failures``) are also
     appended to ``load_failures`` when given. ``progress`` is called once a
-    source is walked, after each batch is written, and at the end.
+    source is walked, after each batch is written, about every second while a batch
+    is awaited or files that need none are checked, and at the end.
     """
     specs = [as_indexed(sync.store, spec) for spec in specs]
     refuse_unknown_missing_files(sync.store, specs)
@@ -1484,20 +1519,29 @@ def run_sync(
     for note in report.notes:
         log.info(note)
     files = _FileTally()
+    told_chunks = 0
+    soon = every(PROGRESS_TICK_SECONDS)
 
     def tell() -> None:
+        nonlocal told_chunks
         if progress is not None:
-            # Never backwards (a file whose later pages wait for a batch counts again).
+            # Never backwards (a file whose later pages wait for a batch counts again;
+            # a long document's chunks leave chunks_under_way before its batch is collected).
             files.done = max(files.done, files.checked - len(unwritten))
+            told_chunks = max(told_chunks, report.chunks_embedded + sync.chunks_under_way)
             progress(
                 IngestProgress(
                     files.done,
                     files.found,
                     report.documents_embedded,
-                    report.chunks_embedded,
+                    told_chunks,
                     report.documents_failed,
                 )
             )
+
+    def tell_soon() -> None:
+        if progress is not None and soon():
+            tell()
 
     # Batches submitted and not yet collected, with the files each holds; and how many
     # of those batches hold each file (a PDF's pages may span batches).
@@ -1506,6 +1550,11 @@ def run_sync(
 
     def collect_oldest() -> None:
         future, batch_files = in_flight[0]
+        # A Prefect future wraps a concurrent one; run_inline's results are done.
+        waiting = getattr(future, "wrapped_future", future)
+        if progress is not None and isinstance(waiting, Future):
+            while not futures_wait([waiting], timeout=PROGRESS_TICK_SECONDS).done:
+                tell()  # a big file's windows, files checked by other batches
         _collect(future, report, log)  # a Ctrl-C while it waits leaves it for _wind_down
         in_flight.popleft()
         for uri in batch_files:
@@ -1529,7 +1578,16 @@ def run_sync(
             seen: set[str] = set()
             failed_uris: set[str] = set()
             pending = _pending_documents(
-                sync, plan, report, seen, failed_uris, max_file_bytes, log, load_failures, files
+                sync,
+                plan,
+                report,
+                seen,
+                failed_uris,
+                max_file_bytes,
+                log,
+                load_failures,
+                files,
+                checked=tell_soon,
             )
             for batch in _batches(pending):
                 batch_files = {_file_uri(document.uri) for document in batch}
@@ -1594,8 +1652,12 @@ def _pending_documents(
     log: logging.Logger | logging.LoggerAdapter[Any],
     load_failures: list[Failure] | None = None,
     files: _FileTally | None = None,
+    *,
+    checked: Callable[[], None] = lambda: None,
 ) -> Iterator[Document]:
-    """Load a source's documents, recording what was seen and failed; yield the changed ones."""
+    """Load a source's documents, recording what was seen and failed; yield the changed
+    ones. ``checked`` is called after each file that needs no batch (unchanged, failed,
+    current): thousands of those between two batches are progress too."""
 
     def unchanged(uri: str, path: str) -> bool:
         return sync.unchanged_file(plan, uri, path, max_file_bytes=max_file_bytes)
@@ -1616,6 +1678,7 @@ def _pending_documents(
             report.documents_seen += len(docs)
             report.documents_skipped += len(docs)
             seen.update(doc.doc_id for doc in docs)
+            checked()
             continue
         if isinstance(item, LoadFailure):
             failed_uris.add(_file_uri(item.uri))  # its points stay until a sync finds it gone
@@ -1632,12 +1695,14 @@ def _pending_documents(
             report.fail([failure])
             if load_failures is not None:
                 load_failures.append(failure)
+            checked()
             continue
         report.documents_seen += 1
         seen.add(item.doc_id)
         if sync.is_current(plan, item):
             report.documents_skipped += 1
             sync.refresh_stamp(plan, item)
+            checked()
             continue
         yield item
 
