@@ -1008,6 +1008,43 @@ def test_ctrl_c_before_a_command_handles_errors_is_still_said() -> None:
     assert "quarry: error: interrupted" in plain.stderr
 
 
+INTERRUPTED_IMPORT = """
+import sys
+
+class CtrlC:  # as a Ctrl-C while the command line's modules load
+    def find_spec(self, name, path=None, target=None):
+        if name == "quarry.cli":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from quarry._entry import main
+
+sys.argv = ["quarry", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("options", [[], ["--json"]])
+def test_ctrl_c_while_the_command_line_loads_is_said_without_a_traceback(
+    options: list[str],
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_IMPORT, "status", *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (130, "quarry: error: interrupted\n")
+    if options:
+        assert json.loads(result.stdout) == {
+            "error": {"type": "interrupted", "message": "interrupted", "exit_code": 130}
+        }
+    else:
+        assert result.stdout == ""
+
+
 def test_ctrl_c_after_the_result_was_printed_leaves_the_result_standing() -> None:
     # Model-migration trial: Ctrl-C just after `quarry query --json` printed its
     # answer exited 130 with the complete answer on stdout.

@@ -1,5 +1,5 @@
 """``python -m quarry`` runs the command line."""
 
-from quarry.cli import main
+from quarry._entry import main
 
 main()
