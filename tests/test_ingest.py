@@ -1127,6 +1127,39 @@ def test_a_touched_file_is_read_once_then_trusted_again(
     assert (again.documents_embedded, again.files_unread, loads.uris) == (0, 4, [])
 
 
+def test_touching_every_file_writes_the_new_stamps_a_batch_of_files_a_request(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Scale trial: a checkout that touched 30,000 files made 30,000 metadata updates.
+    from qdrant_client.local.qdrant_local import QdrantLocal
+
+    import quarry.ingest
+
+    _settle(harness.root)
+    harness.run()
+    touched = time.time_ns() - 5 * 10**9
+    for path in harness.root.rglob("*"):
+        if path.is_file():
+            os.utime(path, ns=(touched, touched))
+    monkeypatch.setattr(quarry.ingest, "STAMP_BATCH", 3, raising=False)
+    requests: list[str] = []
+    for method in ("set_payload", "batch_update_points", "overwrite_payload"):
+        real = getattr(QdrantLocal, method)
+
+        def counting(
+            self: Any, *args: Any, _real: Any = real, _name: str = method, **kw: Any
+        ) -> Any:
+            requests.append(_name)
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(QdrantLocal, method, counting)
+    harness.run()
+    assert len(requests) == 2  # 4 files, 3 a request
+    loads = _CountingLoads(monkeypatch)
+    again = harness.run()
+    assert (again.documents_embedded, again.files_unread, loads.uris) == (0, 4, [])
+
+
 def test_an_unchanged_file_now_over_the_size_limit_is_reported_and_kept(
     harness: Harness,
 ) -> None:

@@ -63,6 +63,8 @@ from quarry.sources import (
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
 UPSERT_BATCH = 256
+# Documents whose new file stamps go in one request (see IndexSync.refresh_stamp).
+STAMP_BATCH = 512
 # A document of more chunks than this is embedded and written a window at a time
 # (see IndexSync._write_long); at 1024 dimensions a window's vectors are 16 MB.
 LONG_DOCUMENT_CHUNKS = 4096
@@ -275,6 +277,8 @@ class IndexSync:
         self._known_indexes: dict[str, set[int]] = {}
         # Set when this run created the collection: no document has points it did not write.
         self._created_collection = False
+        # File stamps to write (state, stamp, point ids, metadata, uri): see refresh_stamp.
+        self._stamps_due: list[tuple[DocState, FileStamp, list[str], dict[str, Any], str]] = []
         # Chunks embedded and written of long documents not finished yet (for progress).
         self._chunks_under_way = 0
         self._under_way_lock = threading.Lock()
@@ -513,7 +517,8 @@ class IndexSync:
     def refresh_stamp(self, plan: SourcePlan, document: Document) -> None:
         """Store the file stamp a current document was just read with, when its points
         carry another (a file touched, copied or checked out again, its text the same):
-        the next sync then trusts the stamp and does not read the file again."""
+        the next sync then trusts the stamp and does not read the file again. Written a
+        batch at a time (:meth:`flush_stamps`)."""
         state = plan.state.get(document.doc_id)
         stamp = FileStamp.from_metadata(document.metadata)
         if state is None or stamp is None:
@@ -529,11 +534,26 @@ class IndexSync:
         metadata = stamp.to_metadata()
         if not stamp.decoder and any(stored and stored.decoder for stored in state.stamps):
             metadata["decoder"] = ""  # the source no longer declares one: overwrite it
+        self._stamps_due.append((state, stamp, ids, metadata, document.uri))
+        if len(self._stamps_due) >= STAMP_BATCH:
+            self.flush_stamps()
+
+    def flush_stamps(self) -> None:
+        """Write the stamps :meth:`refresh_stamp` gathered, STAMP_BATCH documents a request
+        (one a document made touching every file of a big corpus cost a request a file).
+        A stamp not written only costs a read of its file next time."""
+        due, self._stamps_due = self._stamps_due, []
+        if not due or self._stopping.is_set():
+            return
         try:
-            self.store.update_point_metadata(ids, metadata)
-        except WriteFailed as error:  # only costs a read next time
-            logger.warning("could not record the new file stamp of %s: %s", document.uri, error)
-        else:
+            self.store.update_points_metadata([(ids, metadata) for _, _, ids, metadata, _ in due])
+        except WriteFailed as error:
+            more = f" and {len(due) - 1} more" if len(due) > 1 else ""
+            logger.warning(
+                "could not record the new file stamp of %s%s: %s", due[0][4], more, error
+            )
+            return
+        for state, stamp, *_ in due:
             state.stamps = {stamp}
 
     def document_is_current(self, state: DocState | None, doc_hash: str) -> bool:
@@ -1597,6 +1617,7 @@ def run_sync(
                     collect_oldest()
             while in_flight:
                 collect_oldest()
+            sync.flush_stamps()
             if full_sync:
                 _clean(sync, plan, seen, failed_uris, report, allow_mass_delete)
     except BaseException:

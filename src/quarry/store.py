@@ -669,18 +669,33 @@ class VectorStore:
         if result.status != models.UpdateStatus.COMPLETED:
             raise WriteFailed(name, f"upsert of {len(points)} points ended {result.status}")
 
-    def update_point_metadata(self, ids: Sequence[str], fields: Mapping[str, Any]) -> None:
-        """Set ``fields`` inside the ``metadata`` payload of the points ``ids`` (a file
-        stamp, say), leaving everything else in each payload as it is."""
-        self._set_payload(ids, fields, "metadata", f"updating the metadata of {len(ids)} points")
+    def update_points_metadata(
+        self, updates: Sequence[tuple[Sequence[str], Mapping[str, Any]]]
+    ) -> None:
+        """Set fields inside the ``metadata`` payload of several groups of points, each
+        group its own (a file stamp, say), in one request; the rest of each payload stays."""
+        operations = [
+            models.SetPayloadOperation(
+                set_payload=models.SetPayload(
+                    payload=dict(fields), points=list(ids), key="metadata"
+                )
+            )
+            for ids, fields in updates
+            if ids
+        ]
+        if not operations:
+            return
+        name = self._require()
+        what = f"updating the metadata of {sum(len(ids) for ids, _ in updates)} points"
+        with self._write_lock:
+            try:
+                with _one_transaction(self.client, name):
+                    self._writer.batch_update_points(name, update_operations=operations, wait=True)
+            except Exception as error:  # qdrant-client raises transport-specific types
+                raise _write_failed(name, what, error) from error
 
     def set_payload_fields(self, ids: Sequence[str], fields: Mapping[str, Any]) -> None:
         """Set the top-level payload ``fields`` of the points ``ids``, leaving the rest."""
-        self._set_payload(ids, fields, None, f"updating {len(ids)} points")
-
-    def _set_payload(
-        self, ids: Sequence[str], fields: Mapping[str, Any], key: str | None, what: str
-    ) -> None:
         if not ids:
             return
         name = self._require()
@@ -688,10 +703,10 @@ class VectorStore:
             try:
                 with _one_transaction(self.client, name):
                     self._writer.set_payload(
-                        name, payload=dict(fields), points=list(ids), key=key, wait=True
+                        name, payload=dict(fields), points=list(ids), wait=True
                     )
             except Exception as error:  # qdrant-client raises transport-specific types
-                raise _write_failed(name, what, error) from error
+                raise _write_failed(name, f"updating {len(ids)} points", error) from error
 
     def delete_stale_chunks(self, doc_id: str, chunk_count: int) -> None:
         """Delete a document's points from ``chunk_count`` on (left over from a longer version)."""
