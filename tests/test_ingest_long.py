@@ -163,6 +163,26 @@ def test_an_edit_to_a_long_document_re_embeds_only_the_chunks_it_changed(
     _assert_as_written_whole(harness, tmp_path / "whole", tei.url, monkeypatch)
 
 
+def test_chunks_inserted_near_the_top_of_a_long_document_move_the_rest_without_re_embedding(
+    tmp_path: Path, tei: LocalTEIServer, windowed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # More new chunks than a window: each window then overwrites points whose vectors
+    # the next window reuses, unless they are read before.
+    harness = _harness(tmp_path, tei.url)
+    harness.run()
+    inserted = [f"An inserted paragraph {i} about the pumping station. " * 3 for i in range(12)]
+    text = "# Quarries\n\n" + "\n\n".join(inserted + PARAGRAPHS) + "\n"
+    (harness.root / "long.md").write_text(text)
+    tei.stats.reset()
+    edited = harness.run()
+    assert edited.failures == [] and edited.documents_embedded == 1
+    assert edited.chunks_embedded <= len(inserted) + 2, edited
+    assert edited.chunks_reused >= len(PARAGRAPHS) - 2
+    assert tei.stats.inputs_embedded == edited.chunks_embedded + 1  # and the canary
+    assert _complete(harness)
+    _assert_as_written_whole(harness, tmp_path / "whole", tei.url, monkeypatch)
+
+
 def test_a_shorter_long_document_loses_the_chunks_past_its_end(
     tmp_path: Path, tei: LocalTEIServer, windowed: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from qdrant_client import models
 
 from quarry.chunking import Chunker
@@ -755,6 +756,15 @@ class IndexSync:
         (the old version's later chunks stay beside them until the next sync).
         """
         reusable = self._reusable_chunks(document)
+        # An edit that inserts chunks moves the old ones to later indexes: a window
+        # overwrites points whose vectors later windows want, so those are read first.
+        wanted_later: dict[str, list[int]] = collections.defaultdict(list)
+        if reusable:
+            for position, chunk in enumerate(chunks):
+                old = reusable.get(_digest(self._embedding_text(chunk)))
+                if old is not None:
+                    wanted_later[old].append(position)
+        rescued: dict[str, Vector] = {}
         written = reused = 0
         split = False
         for start in range(0, len(chunks), LONG_DOCUMENT_WINDOW):
@@ -762,7 +772,8 @@ class IndexSync:
                 return
             window = chunks[start : start + LONG_DOCUMENT_WINDOW]
             texts = [self._embedding_text(chunk) for chunk in window]
-            stored = self._read_reusable(texts, reusable)
+            stored = {text: rescued.pop(text) for text in texts if text in rescued}
+            stored.update(self._read_reusable([t for t in texts if t not in stored], reusable))
             missing = [text for text in texts if text not in stored]
             if missing:
                 self.verify_canary()
@@ -796,6 +807,14 @@ class IndexSync:
             doc_points = self._points(
                 document, window, outcomes, chunking, first_index=written, chunk_count=count
             )
+            end = start + len(window)
+            later = {
+                self._embedding_text(chunks[position])
+                for index in range(written, written + len(doc_points))
+                for position in wanted_later.get(point_id(document.doc_id, index), ())
+                if position >= end
+            }
+            rescued.update(self._read_reusable(sorted(later - rescued.keys()), reusable))
             with self._write_slot() as open_:
                 if not open_:
                     return
@@ -890,7 +909,7 @@ class IndexSync:
                 and vector
                 and isinstance(vector[0], float)  # not a multivector
             ):
-                vectors[wanted_text] = vector
+                vectors[wanted_text] = np.asarray(vector, dtype=np.float32)  # an 8th of a list
         return vectors
 
     def _reusable_text(self, payload: Mapping[str, Any]) -> str | None:
