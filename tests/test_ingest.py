@@ -348,6 +348,30 @@ def test_progress_moves_while_unchanged_files_are_checked(
     assert set(range(len(CORPUS) + 1)) <= set(done), done  # one file at a time
 
 
+def test_progress_counts_no_file_done_before_its_batch_is_sent(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Review: a changed file waiting in a half-full batch counted as done while the
+    # unchanged files after it were checked ("4 of 4 files done" before any write).
+    import quarry.ingest
+    from quarry.ingest import run_inline
+
+    _settle(harness.root)
+    harness.run()
+    (harness.root / "alpha.md").write_text("# Alpha\n\nAlpha, edited.\n")  # walked first
+    monkeypatch.setattr(quarry.ingest, "PROGRESS_TICK_SECONDS", 0.0)
+    events: list[tuple[str, int]] = []
+
+    def submit(sync: IndexSync, documents: list[Any]) -> Any:
+        events.append(("submit", len(documents)))
+        return run_inline(sync, documents)
+
+    harness.run(submit=submit, progress=lambda p: events.append(("progress", p.files_done)))
+    sent = events.index(("submit", 1))
+    assert max(done for _, done in events[:sent]) < len(CORPUS), events
+    assert events[-1] == ("progress", len(CORPUS))
+
+
 def test_progress_never_goes_backwards_when_a_pdf_spans_batches(
     harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -1158,6 +1182,34 @@ def test_touching_every_file_writes_the_new_stamps_a_batch_of_files_a_request(
     loads = _CountingLoads(monkeypatch)
     again = harness.run()
     assert (again.documents_embedded, again.files_unread, loads.uris) == (0, 4, [])
+
+
+def test_stamps_a_batched_request_could_not_write_are_written_one_by_one(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quarry.errors import WriteFailed
+
+    _settle(harness.root)
+    harness.run()
+    touched = time.time_ns() - 5 * 10**9
+    for path in harness.root.rglob("*"):
+        if path.is_file():
+            os.utime(path, ns=(touched, touched))
+    real = VectorStore.update_points_metadata
+    groups: list[int] = []
+
+    def refusing_batches(self: VectorStore, updates: Any) -> None:
+        groups.append(len(updates))
+        if len(updates) > 1:  # as a point gone missing would make the whole request fail
+            raise WriteFailed("test", "update refused")
+        real(self, updates)
+
+    monkeypatch.setattr(VectorStore, "update_points_metadata", refusing_batches)
+    harness.run()
+    assert groups == [len(CORPUS)] + [1] * len(CORPUS)
+    loads = _CountingLoads(monkeypatch)
+    again = harness.run()
+    assert (again.files_unread, loads.uris) == (len(CORPUS), [])
 
 
 def test_an_unchanged_file_now_over_the_size_limit_is_reported_and_kept(

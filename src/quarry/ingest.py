@@ -66,6 +66,7 @@ from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorS
 UPSERT_BATCH = 256
 # Documents whose new file stamps go in one request (see IndexSync.refresh_stamp).
 STAMP_BATCH = 512
+STAMP_BATCH_POINTS = 20_000  # and at most this many points (a request's size)
 # A document of more chunks than this is embedded and written a window at a time
 # (see IndexSync._write_long); at 1024 dimensions a window's vectors are 16 MB.
 LONG_DOCUMENT_CHUNKS = 4096
@@ -280,6 +281,7 @@ class IndexSync:
         self._created_collection = False
         # File stamps to write (state, stamp, point ids, metadata, uri): see refresh_stamp.
         self._stamps_due: list[tuple[DocState, FileStamp, list[str], dict[str, Any], str]] = []
+        self._stamp_points_due = 0
         # Chunks embedded and written of long documents not finished yet (for progress).
         self._chunks_under_way = 0
         self._under_way_lock = threading.Lock()
@@ -536,7 +538,8 @@ class IndexSync:
         if not stamp.decoder and any(stored and stored.decoder for stored in state.stamps):
             metadata["decoder"] = ""  # the source no longer declares one: overwrite it
         self._stamps_due.append((state, stamp, ids, metadata, document.uri))
-        if len(self._stamps_due) >= STAMP_BATCH:
+        self._stamp_points_due += len(ids)
+        if len(self._stamps_due) >= STAMP_BATCH or self._stamp_points_due >= STAMP_BATCH_POINTS:
             self.flush_stamps()
 
     def flush_stamps(self) -> None:
@@ -544,15 +547,18 @@ class IndexSync:
         (one a document made touching every file of a big corpus cost a request a file).
         A stamp not written only costs a read of its file next time."""
         due, self._stamps_due = self._stamps_due, []
+        self._stamp_points_due = 0
         if not due or self._stopping.is_set():
             return
         try:
             self.store.update_points_metadata([(ids, metadata) for _, _, ids, metadata, _ in due])
         except WriteFailed as error:
-            more = f" and {len(due) - 1} more" if len(due) > 1 else ""
-            logger.warning(
-                "could not record the new file stamp of %s%s: %s", due[0][4], more, error
-            )
+            if len(due) == 1:
+                logger.warning("could not record the new file stamp of %s: %s", due[0][4], error)
+                return
+            for one in due:  # one document's trouble costs only its own stamp
+                self._stamps_due = [one]
+                self.flush_stamps()
             return
         for state, stamp, *_ in due:
             state.stamps = {stamp}
@@ -1566,7 +1572,7 @@ def run_sync(
         if progress is not None:
             # Never backwards (a file whose later pages wait for a batch counts again;
             # a long document's chunks leave chunks_under_way before its batch is collected).
-            files.done = max(files.done, files.checked - len(unwritten))
+            files.done = max(files.done, files.checked - len(unwritten.keys() | held))
             told_chunks = max(told_chunks, report.chunks_embedded + sync.chunks_under_way)
             progress(
                 IngestProgress(
@@ -1586,6 +1592,13 @@ def run_sync(
     # of those batches hold each file (a PDF's pages may span batches).
     in_flight: deque[tuple[_Result, set[str]]] = deque()
     unwritten: collections.Counter[str] = collections.Counter()
+    # The files of the documents gathered for the next batch, not yet submitted.
+    held: set[str] = set()
+
+    def holding(documents: Iterator[Document]) -> Iterator[Document]:
+        for document in documents:
+            held.add(_file_uri(document.uri))
+            yield document
 
     def collect_oldest() -> None:
         future, batch_files = in_flight[0]
@@ -1628,9 +1641,10 @@ def run_sync(
                 files,
                 checked=tell_soon,
             )
-            for batch in _batches(pending):
+            for batch in _batches(holding(pending)):
                 batch_files = {_file_uri(document.uri) for document in batch}
                 unwritten.update(batch_files)
+                held.clear()  # _batches yields a batch as soon as its last document came
                 in_flight.append((submit(sync, batch), batch_files))
                 while len(in_flight) >= window:
                     collect_oldest()
@@ -1646,6 +1660,9 @@ def run_sync(
         _wind_down(sync, [future for future, _ in in_flight], log)
         raise
     sync.finish(report)
+    # Exact at the end: a long document that failed part way had its written windows
+    # counted while under way, and is not in the report's chunks.
+    told_chunks = report.chunks_embedded
     tell()
     return report
 
