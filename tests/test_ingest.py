@@ -1121,6 +1121,14 @@ def _settle(root: Path) -> None:
             os.utime(path, ns=(past, past))
 
 
+def _touch_all(root: Path) -> None:
+    """Give every file a new mtime (5 s back), its text the same: a checkout or a copy."""
+    touched = time.time_ns() - 5 * 10**9
+    for path in root.rglob("*"):
+        if path.is_file():
+            os.utime(path, ns=(touched, touched))
+
+
 def test_rerun_reads_no_file_whose_stamp_is_unchanged(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1138,10 +1146,7 @@ def test_a_touched_file_is_read_once_then_trusted_again(
 ) -> None:
     _settle(harness.root)
     harness.run()
-    touched = time.time_ns() - 5 * 10**9  # a checkout or a copy: new mtimes, same text
-    for path in harness.root.rglob("*"):
-        if path.is_file():
-            os.utime(path, ns=(touched, touched))
+    _touch_all(harness.root)
     loads = _CountingLoads(monkeypatch)
     first = harness.run()
     assert (first.documents_embedded, first.files_unread, len(loads.uris)) == (0, 0, 4)
@@ -1161,10 +1166,7 @@ def test_touching_every_file_writes_the_new_stamps_a_batch_of_files_a_request(
 
     _settle(harness.root)
     harness.run()
-    touched = time.time_ns() - 5 * 10**9
-    for path in harness.root.rglob("*"):
-        if path.is_file():
-            os.utime(path, ns=(touched, touched))
+    _touch_all(harness.root)
     monkeypatch.setattr(quarry.ingest, "STAMP_BATCH", 3, raising=False)
     requests: list[str] = []
     for method in ("set_payload", "batch_update_points", "overwrite_payload"):
@@ -1191,10 +1193,7 @@ def test_stamps_a_batched_request_could_not_write_are_written_one_by_one(
 
     _settle(harness.root)
     harness.run()
-    touched = time.time_ns() - 5 * 10**9
-    for path in harness.root.rglob("*"):
-        if path.is_file():
-            os.utime(path, ns=(touched, touched))
+    _touch_all(harness.root)
     real = VectorStore.update_points_metadata
     groups: list[int] = []
 

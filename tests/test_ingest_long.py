@@ -72,6 +72,18 @@ def _lasting(payload: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _edit(harness: Harness, tei: LocalTEIServer, text: str) -> Any:
+    """Write ``text`` as the long document and sync it: one document, written whole,
+    and every input the service embedded counted (the canary aside)."""
+    (harness.root / "long.md").write_text(text)
+    tei.stats.reset()
+    edited = harness.run()
+    assert edited.failures == [] and edited.documents_embedded == 1
+    assert tei.stats.inputs_embedded == edited.chunks_embedded + 1  # and the canary
+    assert _complete(harness)
+    return edited
+
+
 def _complete(harness: Harness) -> bool:
     store = VectorStore(open_client(harness.settings), "test")
     try:
@@ -152,14 +164,9 @@ def test_an_edit_to_a_long_document_re_embeds_only_the_chunks_it_changed(
     first = harness.run()
     paragraphs = list(PARAGRAPHS)
     paragraphs[30] = "A new paragraph, written over quarry thirty's story."
-    (harness.root / "long.md").write_text("# Quarries\n\n" + "\n\n".join(paragraphs) + "\n")
-    tei.stats.reset()
-    edited = harness.run()
-    assert edited.failures == [] and edited.documents_embedded == 1
+    edited = _edit(harness, tei, "# Quarries\n\n" + "\n\n".join(paragraphs) + "\n")
     assert 0 < edited.chunks_embedded <= 3
     assert edited.chunks_reused >= first.chunks_embedded - 4
-    assert tei.stats.inputs_embedded == edited.chunks_embedded + 1  # and the canary
-    assert _complete(harness)
     _assert_as_written_whole(harness, tmp_path / "whole", tei.url, monkeypatch)
 
 
@@ -171,15 +178,9 @@ def test_chunks_inserted_near_the_top_of_a_long_document_move_the_rest_without_r
     harness = _harness(tmp_path, tei.url)
     harness.run()
     inserted = [f"An inserted paragraph {i} about the pumping station. " * 3 for i in range(12)]
-    text = "# Quarries\n\n" + "\n\n".join(inserted + PARAGRAPHS) + "\n"
-    (harness.root / "long.md").write_text(text)
-    tei.stats.reset()
-    edited = harness.run()
-    assert edited.failures == [] and edited.documents_embedded == 1
+    edited = _edit(harness, tei, "# Quarries\n\n" + "\n\n".join(inserted + PARAGRAPHS) + "\n")
     assert edited.chunks_embedded <= len(inserted) + 2, edited
     assert edited.chunks_reused >= len(PARAGRAPHS) - 2
-    assert tei.stats.inputs_embedded == edited.chunks_embedded + 1  # and the canary
-    assert _complete(harness)
     _assert_as_written_whole(harness, tmp_path / "whole", tei.url, monkeypatch)
 
 
