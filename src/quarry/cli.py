@@ -256,7 +256,6 @@ def _emit(
 ) -> None:
     """Print a command's result (``data`` with --json, else ``human()``); ``code`` is the
     exit code that result stands for."""
-    global _emitted_code
     # A Ctrl-C while the result is being written is let go: the work is done, and a
     # result cut short (or followed by an "interrupted" object) would mislead a script.
     previous = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
@@ -265,7 +264,7 @@ def _emit(
             typer.echo(_json_text(data, indent=2))
         else:
             human()
-        _emitted_code = code
+        _done_writing(code)
     finally:
         signal.signal(signal.SIGINT, previous)
 

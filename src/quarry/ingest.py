@@ -551,15 +551,22 @@ class IndexSync:
         if not due or self._stopping.is_set():
             return
         try:
-            self.store.update_points_metadata([(ids, metadata) for _, _, ids, metadata, _ in due])
+            self._write_stamps(due)
+            return
         except WriteFailed as error:
             if len(due) == 1:
                 logger.warning("could not record the new file stamp of %s: %s", due[0][4], error)
                 return
-            for one in due:  # one document's trouble costs only its own stamp
-                self._stamps_due = [one]
-                self.flush_stamps()
-            return
+        for one in due:  # one document's trouble costs only its own stamp
+            try:
+                self._write_stamps([one])
+            except WriteFailed as error:
+                logger.warning("could not record the new file stamp of %s: %s", one[4], error)
+
+    def _write_stamps(
+        self, due: Sequence[tuple[DocState, FileStamp, list[str], dict[str, Any], str]]
+    ) -> None:
+        self.store.update_points_metadata([(ids, metadata) for _, _, ids, metadata, _ in due])
         for state, stamp, *_ in due:
             state.stamps = {stamp}
 
