@@ -16,6 +16,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+# How long Prefect's temporary server may take to start: the first start migrates a
+# fresh SQLite database, and on 2 slow cores that takes a while.
+EMBEDDED_STARTUP_TIMEOUT_S = 240
+
 
 def configure_prefect_environment(data_dir: Path) -> None:
     """Point an embedded (ephemeral) Prefect at ``data_dir`` and keep it quiet and offline.
@@ -31,8 +35,9 @@ def configure_prefect_environment(data_dir: Path) -> None:
     make_data_folder(data_dir, home, "Prefect")  # Prefect creates only the last level
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    # The first start migrates a fresh SQLite database; on 2 slow cores that takes a while.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "240")
+    os.environ.setdefault(
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(EMBEDDED_STARTUP_TIMEOUT_S)
+    )
     os.environ.setdefault("PREFECT_LOGGING_SERVER_LEVEL", "WARNING")
 
 
@@ -243,7 +248,7 @@ def _reap_the_embedded_server_when_gone() -> None:
 
 # A fresh embedded Prefect database takes about 5 MB; a disk with less than this free
 # cannot hold it and the first batches of an index, and Prefect would retry its start
-# for PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (240 s here) before failing.
+# for EMBEDDED_STARTUP_TIMEOUT_S before failing.
 MIN_FREE_BYTES = 16 * 1024 * 1024
 
 

@@ -27,7 +27,9 @@ def prefect_harness() -> Iterator[None]:
     """One Prefect test server for the whole session (starting one is slow)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=240):
+    from flows import EMBEDDED_STARTUP_TIMEOUT_S
+
+    with prefect_test_harness(server_startup_timeout=EMBEDDED_STARTUP_TIMEOUT_S):
         yield
 
 
