@@ -269,10 +269,21 @@ def _start_embedded_server(server: Any) -> None:
             "point QUARRY_DATA_DIR at a disk that has it"
         )
     try:
-        server.start()
+        # Explicit, so the allowance holds in a process that skipped
+        # configure_prefect_environment (Prefect's own default is 20 s).
+        server.start(timeout=_startup_timeout_s())
     except RuntimeError as error:
         space = f"; its disk has {free / 2**20:.0f} MiB free" if free is not None else ""
         raise QuarryError(f"{where} did not start: {error}{space}") from error
+
+
+def _startup_timeout_s() -> int:
+    """PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS where it is set, else quarry's allowance."""
+    setting = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "")
+    try:
+        return max(1, round(float(setting)))
+    except ValueError:
+        return EMBEDDED_STARTUP_TIMEOUT_S
 
 
 # The reapers' pipes, held open for the life of this process (their end is its end).

@@ -438,12 +438,13 @@ def test_an_embedded_prefect_on_a_full_disk_is_one_clear_error_not_a_long_timeou
     from quarry.errors import QuarryError
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
     (tmp_path / "prefect").mkdir()
-    started: list[bool] = []
+    started: list[int | None] = []
 
     class Server:
-        def start(self) -> None:
-            started.append(True)
+        def start(self, timeout: int | None = None) -> None:
+            started.append(timeout)
             raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect")
 
     usage = shutil.disk_usage(tmp_path)
@@ -454,3 +455,17 @@ def test_an_embedded_prefect_on_a_full_disk_is_one_clear_error_not_a_long_timeou
     monkeypatch.setattr(flows.shutil, "disk_usage", lambda path: usage._replace(free=2**30))
     with pytest.raises(QuarryError, match=r"did not start: Timed out.*1024 MiB free"):
         flows._start_embedded_server(Server())
+    # quarry's allowance, not Prefect's 20 s, even where configure_prefect_environment
+    # did not run (CI: the first start of a fresh database outlasted 20 s).
+    assert started == [flows.EMBEDDED_STARTUP_TIMEOUT_S]
+
+
+def test_a_startup_allowance_set_for_prefect_wins_over_quarrys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flows import EMBEDDED_STARTUP_TIMEOUT_S, _startup_timeout_s
+
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "45")
+    assert _startup_timeout_s() == 45
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "soon")
+    assert _startup_timeout_s() == EMBEDDED_STARTUP_TIMEOUT_S
