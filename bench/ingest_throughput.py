@@ -16,8 +16,9 @@ The pipelines:
 
 * **quarry**: ``IndexSync`` + ``run_sync``, with batches of documents submitted to a
   pool of ``QUARRY_WORKERS`` (4) threads, as the Prefect flow submits its tasks;
-  with ``--flow`` also the Prefect flow itself (``flows.ingest.ingest_flow``, local
-  mode on disk, ephemeral Prefect in a child process), its startup timed apart;
+  and the Prefect flow itself (``flows.ingest.ingest_flow``, local mode on disk,
+  ephemeral Prefect in a child process; ``--no-flow`` leaves it out), its startup
+  timed apart;
 * **LlamaIndex**: ``SimpleDirectoryReader(filename_as_id=True)`` ->
   ``IngestionPipeline([SentenceSplitter(256, 32), TextEmbeddingsInference],
   vector_store=QdrantVectorStore, docstore=SimpleDocumentStore())``; defaults
@@ -46,7 +47,7 @@ best-tuned peer and >= 5x faster than the peers' defaults; re-ingest with zero
 embedding requests and >= 20x faster than the first ingest. Not a test: nothing is
 asserted; the figures go to ``bench/.out/ingest_throughput.json``.
 
-    .venv/bin/python bench/ingest_throughput.py [--docs 1200] [--flow] [--no-disk] [--no-peers]
+    .venv/bin/python bench/ingest_throughput.py [--docs 1200] [--no-flow] [--no-disk] [--no-peers]
 """
 
 from __future__ import annotations
@@ -541,7 +542,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--docs", type=int, default=1200, help="documents (1,200 keeps the run near 5 minutes)"
     )
-    parser.add_argument("--flow", action="store_true", help="also run the Prefect flow (slow)")
+    parser.add_argument(
+        "--no-flow", dest="flow", action="store_false", help="skip the Prefect flow"
+    )
     parser.add_argument("--no-disk", action="store_true", help="skip quarry in local mode on disk")
     parser.add_argument("--no-peers", action="store_true", help="quarry only")
     parser.add_argument("--peer", help=argparse.SUPPRESS)

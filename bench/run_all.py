@@ -567,7 +567,7 @@ def _ingest_section(r: dict[str, Any], drawn: set[str]) -> list[str]:
         "submitted to 4 threads (`QUARRY_WORKERS`), as the Prefect flow submits its tasks; "
         "Qdrant in memory (`QdrantClient(':memory:')` in `quarry.store.VectorStore`) and "
         "local mode on disk (`open_client(settings)`, a folder under /tmp on the machine's "
-        "disk). `quarry-flow-disk` (with `--flow`) is the Prefect flow itself, in a child "
+        "disk). `quarry-flow-disk` (unless `--no-flow`) is the Prefect flow itself, in a child "
         "process with ephemeral Prefect; its startup is timed apart.",
         "- **LlamaIndex**: `SimpleDirectoryReader(filename_as_id=True)` -> "
         "`IngestionPipeline([SentenceSplitter(256, 32), TextEmbeddingsInference], "
@@ -799,7 +799,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="run only these benchmarks")
     parser.add_argument("--skip", nargs="*", default=[], help="do not run these benchmarks")
     parser.add_argument("--render-only", action="store_true", help="measure nothing")
-    parser.add_argument("--flow", action="store_true", help="ingest_throughput --flow")
+    parser.add_argument(
+        "--no-flow", dest="flow", action="store_false", help="ingest_throughput --no-flow"
+    )
     parser.add_argument("--draw", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.draw:
@@ -810,7 +812,7 @@ def main() -> None:
         for name in benchmarks():
             if (args.only is not None and name not in args.only) or name in args.skip:
                 continue
-            extra = ["--flow"] if name == "ingest_throughput" and args.flow else []
+            extra = ["--no-flow"] if name == "ingest_throughput" and not args.flow else []
             runs.append(run_one(name, extra))
     OUT.mkdir(parents=True, exist_ok=True)
     DOC.parent.mkdir(parents=True, exist_ok=True)
