@@ -1119,3 +1119,30 @@ def test_version() -> None:
 
     result = run(["--version"], {}, timeout=60)
     assert (result.returncode, result.stdout) == (0, f"quarry {__version__}\n")
+
+
+def test_help_names_every_option_whole_in_an_80_column_terminal() -> None:
+    # Rich's help tables cut names short at 80 columns ("--allow-mass-dele…") and put
+    # "<bool>" beside every flag; the plain help wraps the text instead.
+    import typer.main
+    from typer.testing import CliRunner
+
+    from quarry.cli import app
+
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.main.TyperGroup)
+    runner = CliRunner()
+    listing = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
+    flat_listing = " ".join(listing.output.split())
+    for name, command in group.commands.items():
+        summary = " ".join((command.help or "").split("\n\n", 1)[0].split())
+        assert summary in flat_listing, name  # whole, not cut to the terminal's width
+        if name == "local-tei":  # argparse's own help (tested above)
+            continue
+        helped = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80"})
+        assert helped.exit_code == 0, helped.output
+        assert "…" not in helped.output and "<bool>" not in helped.output, helped.output
+        for param in command.params:
+            for option in (*param.opts, *param.secondary_opts):
+                if option.startswith("-"):
+                    assert option in helped.output, (name, option)

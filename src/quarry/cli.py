@@ -8,6 +8,7 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -42,6 +43,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: Rich's tables squeeze an 80-column terminal until option names are
+    # cut short ("--allow-mass-dele…") and print a type beside every flag ("<bool>").
+    rich_markup_mode=None,
 )
 
 
@@ -67,12 +71,16 @@ def _global_options(
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
 CollectionOption = Annotated[
-    str | None, typer.Option("--collection", "-c", help="Collection alias (QUARRY_COLLECTION).")
+    str | None,
+    typer.Option(
+        "--collection", "-c", metavar="NAME", help="Collection alias (QUARRY_COLLECTION)."
+    ),
 ]
 EncodingOption = Annotated[
     str | None,
     typer.Option(
         "--encoding",
+        metavar="ENCODING",
         help="Encoding of text files that are not UTF-8, such as cp1251 or shift_jis "
         "(default: detected, which can misread a file of a sentence or two).",
     ),
@@ -307,10 +315,12 @@ def ingest(
         bool, typer.Option(help="Allow deleting more than QUARRY_MAX_DELETE_FRACTION.")
     ] = False,
     include: Annotated[
-        list[str] | None, typer.Option("--include", help="Glob of files to index (repeatable).")
+        list[str] | None,
+        typer.Option("--include", metavar="GLOB", help="Glob of files to index (repeatable)."),
     ] = None,
     exclude: Annotated[
-        list[str] | None, typer.Option("--exclude", help="Glob of files to skip (repeatable).")
+        list[str] | None,
+        typer.Option("--exclude", metavar="GLOB", help="Glob of files to skip (repeatable)."),
     ] = None,
     reread: Annotated[
         bool,
@@ -405,8 +415,12 @@ def ingest(
 def query(
     text: Annotated[str, typer.Argument(help="The question.")],
     collection: CollectionOption = None,
-    k: Annotated[int, typer.Option("-k", min=1, max=100, help="Passages to return.")] = 5,
-    candidates: Annotated[int, typer.Option(min=1, max=1000, help="Vector candidates.")] = 50,
+    k: Annotated[
+        int, typer.Option("-k", min=1, max=100, metavar="N", help="Passages to return.")
+    ] = 5,
+    candidates: Annotated[
+        int, typer.Option(min=1, max=1000, metavar="N", help="Vector candidates.")
+    ] = 50,
     no_rerank: Annotated[bool, typer.Option("--no-rerank", help="Vector scores only.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -467,8 +481,12 @@ def print_response(response: SearchResponse) -> None:
 @app.command()
 def chunk(
     file: Annotated[Path, typer.Argument(help="A file to split.", exists=False)],
-    max_tokens: Annotated[int | None, typer.Option(min=16, help="Chunk size in tokens.")] = None,
-    overlap: Annotated[int | None, typer.Option(min=0, help="Overlap in tokens.")] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(min=16, metavar="N", help="Chunk size in tokens.")
+    ] = None,
+    overlap: Annotated[
+        int | None, typer.Option(min=0, metavar="N", help="Overlap in tokens.")
+    ] = None,
     encoding: EncodingOption = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -697,24 +715,38 @@ def reindex(
     collection: CollectionOption = None,
     from_source: Annotated[
         list[Path] | None,
-        typer.Option("--from-source", help="Re-read these paths instead of stored chunks."),
+        typer.Option(
+            "--from-source", metavar="PATH", help="Re-read these paths instead of stored chunks."
+        ),
     ] = None,
     eval_dir: Annotated[
-        Path | None, typer.Option("--eval", help="BEIR dataset to evaluate before switching.")
+        Path | None,
+        typer.Option("--eval", metavar="DIR", help="BEIR dataset to evaluate before switching."),
     ] = None,
     min_ndcg: Annotated[
-        float | None, typer.Option(help="Refuse to switch below this nDCG@10.")
+        float | None, typer.Option(metavar="X", help="Refuse to switch below this nDCG@10.")
     ] = None,
     eval_split: Annotated[
-        str, typer.Option("--eval-split", help="With --eval: which qrels/<split>.tsv to score.")
+        str,
+        typer.Option(
+            "--eval-split", metavar="SPLIT", help="With --eval: which qrels/<split>.tsv to score."
+        ),
     ] = "test",
     include: Annotated[
         list[str] | None,
-        typer.Option("--include", help="With --from-source: glob of files to index (repeatable)."),
+        typer.Option(
+            "--include",
+            metavar="GLOB",
+            help="With --from-source: glob of files to index (repeatable).",
+        ),
     ] = None,
     exclude: Annotated[
         list[str] | None,
-        typer.Option("--exclude", help="With --from-source: glob of files to skip (repeatable)."),
+        typer.Option(
+            "--exclude",
+            metavar="GLOB",
+            help="With --from-source: glob of files to skip (repeatable).",
+        ),
     ] = None,
     allow_mass_delete: Annotated[
         bool,
@@ -804,6 +836,7 @@ def rollback(
         str | None,
         typer.Option(
             "--to",
+            metavar="COLLECTION",
             help="Point the alias at this collection of its own instead (one `quarry "
             "collections` lists, not an unfinished build): undoes a rollback.",
         ),
@@ -845,7 +878,9 @@ def prune(
     keep: Annotated[
         int,
         typer.Option(
-            min=1, help="Collections to keep: the live one, the rollback target, the newest."
+            min=1,
+            metavar="N",
+            help="Collections to keep: the live one, the rollback target, the newest.",
         ),
     ] = 2,
     as_json: JsonFlag = False,
@@ -877,13 +912,15 @@ def prune(
 @app.command()
 def parity(
     candidate_embed_url: Annotated[
-        str, typer.Option(help="The embedding service to compare with the live one.")
+        str, typer.Option(metavar="URL", help="The embedding service to compare with the live one.")
     ],
     candidate_rerank_url: Annotated[
-        str | None, typer.Option(help="A reranker to compare with the live one.")
+        str | None, typer.Option(metavar="URL", help="A reranker to compare with the live one.")
     ] = None,
     collection: CollectionOption = None,
-    sample: Annotated[int, typer.Option(min=1, help="Stored passages to re-embed.")] = 200,
+    sample: Annotated[
+        int, typer.Option(min=1, metavar="N", help="Stored passages to re-embed.")
+    ] = 200,
     accept: Annotated[
         bool, typer.Option("--accept", help="Record a passing result: allow that serving stack.")
     ] = False,
@@ -955,7 +992,9 @@ def parity(
 @app.command("eval")
 def evaluate(
     dataset_dir: Annotated[Path, typer.Argument(help="A BEIR-layout dataset folder.")],
-    split: Annotated[str, typer.Option(help="Which qrels/<split>.tsv to score.")] = "test",
+    split: Annotated[
+        str, typer.Option(metavar="SPLIT", help="Which qrels/<split>.tsv to score.")
+    ] = "test",
     no_rerank: Annotated[bool, typer.Option("--no-rerank", help="Vector scores only.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -973,8 +1012,10 @@ def evaluate(
 
 @app.command()
 def api(
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(metavar="HOST", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(min=1, max=65535, metavar="PORT", help="Port to listen on.")
+    ] = 8000,
 ) -> None:
     """Serve the query API for applications: POST /v1/query, GET /v1/collections.
 
@@ -1001,6 +1042,20 @@ def local_tei(ctx: typer.Context) -> None:
     from quarry.local_tei.__main__ import main as serve_local_tei
 
     serve_local_tei(ctx.args, prog="quarry local-tei", port=8001)
+
+
+def _summaries_in_full() -> None:
+    """List each command in ``quarry --help`` by its docstring's whole first paragraph.
+
+    Plain help otherwise cuts a summary to fit the terminal's width, mid-sentence.
+    """
+    for command in app.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if command.short_help is None and doc:
+            command.short_help = " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())
+
+
+_summaries_in_full()
 
 
 def _run_for_json() -> int:
