@@ -76,11 +76,17 @@ class Harness:
         )
         try:
             encoding = cast("str | None", kwargs.pop("encoding", None))
-            spec = open_source(source or self.root, missing_file_ok=True, encoding=encoding)
+            globs = cast("dict[str, Any]", kwargs.pop("globs", {}))
+            spec = open_source(
+                source or self.root, missing_file_ok=True, encoding=encoding, **globs
+            )
             return run_sync(sync, [spec], **kwargs)  # type: ignore[arg-type]
         finally:
             store.close()
             embedder.close()
+
+    def uris(self) -> set[str]:
+        return {str(p["payload"]["uri"]) for p in self.points().values()}  # type: ignore[index]
 
     def points(self) -> dict[str, dict[str, object]]:
         store = VectorStore(open_client(self.settings), "test")
@@ -508,10 +514,88 @@ def test_one_file_of_a_subfolder_is_synced_where_its_folder_indexed_it(
     gamma.unlink()
     assert harness.run(source=gamma).documents_deleted == 1
     assert "corpus/notes/gamma.txt" not in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
-    # A file no folder indexed is still a source of its own folder.
-    (harness.root / "notes" / "epsilon.md").write_text("Epsilon is small.")
-    harness.run(source=harness.root / "notes" / "epsilon.md")
-    assert "notes/epsilon.md" in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+
+
+def test_a_new_file_of_an_indexed_folder_synced_alone_is_indexed_once_as_its_file(
+    harness: Harness, tmp_path: Path
+) -> None:
+    # User trial: `quarry ingest kb/guides/parking.md` (new) wrote guides/parking.md, the
+    # next `quarry ingest kb` added kb/guides/parking.md, and the first copy went stale.
+    harness.run()
+    epsilon = harness.root / "notes" / "epsilon.md"
+    epsilon.write_text("Epsilon is small.")
+    assert harness.run(source=epsilon).documents_embedded == 1
+    uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    assert uris == {f"corpus/{name}" for name in CORPUS} | {"corpus/notes/epsilon.md"}
+    again = harness.run()
+    assert (again.documents_embedded, again.documents_deleted) == (0, 0)
+    # A file no indexed folder holds is still a source of its own folder.
+    loose = write_corpus(tmp_path / "loose", {"zeta.md": "Zeta is last."})
+    harness.run(source=loose / "zeta.md")
+    assert "loose/zeta.md" in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+
+
+def _more_notes(harness: Harness) -> set[str]:
+    """Three more files in corpus/notes (so one going is no mass delete); their uris."""
+    for n in range(3):
+        (harness.root / "notes" / f"n{n}.md").write_text(f"Note {n}.")
+    return {f"corpus/notes/n{n}.md" for n in range(3)}
+
+
+def test_a_subfolder_of_an_indexed_folder_is_synced_as_its_part(harness: Harness) -> None:
+    # User trial: `quarry ingest kb/guides` after `quarry ingest kb` indexed every file
+    # of guides/ a second time, as guides/..., and every answer came back twice.
+    notes = harness.root / "notes"
+    more = _more_notes(harness)
+    harness.run()
+    (notes / "delta.md").write_text("Delta, rewritten: a river mouth.")
+    (notes / "gamma.txt").unlink()
+    (notes / "new.md").write_text("A new note about epsilon.")
+    (harness.root / "beta.md").unlink()  # outside the subfolder: not this sync's business
+    report = harness.run(source=notes)
+    assert (report.documents_seen, report.documents_embedded) == (5, 2)
+    assert report.documents_deleted == 1  # gamma; beta waits for a sync of the folder
+    assert any("synced as its part 'corpus/notes/'" in note for note in report.notes)
+    top = {"corpus/alpha.md", "corpus/beta.md"}
+    assert harness.uris() == top | more | {"corpus/notes/delta.md", "corpus/notes/new.md"}
+    whole = harness.run()
+    assert (whole.documents_embedded, whole.documents_deleted) == (0, 1)
+
+
+def test_a_subfolder_part_takes_its_globs_relative_to_itself(harness: Harness) -> None:
+    notes = harness.root / "notes"
+    more = _more_notes(harness)
+    harness.run()
+    (notes / "deeper").mkdir()
+    (notes / "deeper" / "x.md").write_text("Deeper down.")
+    (notes / "y.md").write_text("Right here.")
+    report = harness.run(source=notes, globs={"include": ("*.md",)})
+    # *.md in notes/: not deeper/x.md; gamma.txt is no longer picked, so it goes.
+    assert report.documents_seen == 5 and report.documents_deleted == 1
+    top = {"corpus/alpha.md", "corpus/beta.md"}
+    assert harness.uris() == top | more | {"corpus/notes/delta.md", "corpus/notes/y.md"}
+
+
+def test_a_subfolder_part_guards_its_own_documents_against_a_mass_delete(
+    harness: Harness,
+) -> None:
+    harness.run()
+    notes = harness.root / "notes"
+    for name in ("gamma.txt", "delta.md"):
+        (notes / name).unlink()
+    with pytest.raises(MassDeleteRefused, match="under 'corpus/notes/'") as refused:
+        harness.run(source=notes)
+    assert f"syncing {notes} would delete 2 of the 2 files" in str(refused.value)
+    assert len(harness.points()) > 0
+
+
+def test_a_subfolder_indexed_as_a_source_of_its_own_stays_one(harness: Harness) -> None:
+    notes = harness.root / "notes"
+    harness.run(source=notes)  # nothing above it indexed: the source `notes`
+    (notes / "delta.md").write_text("Delta, rewritten.")
+    assert harness.run(source=notes).documents_embedded == 1
+    uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    assert uris == {"notes/gamma.txt", "notes/delta.md"}
 
 
 def test_one_file_synced_under_its_indexing_folder_reports_no_other_files_problems(
@@ -592,6 +676,23 @@ def test_mass_delete_is_refused_unless_allowed(harness: Harness) -> None:
     assert harness.run(allow_mass_delete=True).documents_deleted == 3
 
 
+def test_a_mass_delete_refusal_counts_the_files_a_rename_would_bring(harness: Harness) -> None:
+    # User trial: `mv kb/extra kb/misc` was refused as a mass delete with no word that
+    # the same files were there under new names.
+    harness.run()
+    (harness.root / "notes").rename(harness.root / "misc")
+    with pytest.raises(MassDeleteRefused) as refused:
+        harness.run()
+    assert "2 files were found that are not indexed" in str(refused.value)
+    moved = harness.run(allow_mass_delete=True)
+    assert (moved.documents_deleted, moved.documents_embedded) == (2, 2)
+    (harness.root / "alpha.md").unlink()
+    (harness.root / "beta.md").unlink()
+    with pytest.raises(MassDeleteRefused) as deleted:
+        harness.run()
+    assert "not indexed" not in str(deleted.value)  # nothing new: no such hint
+
+
 def test_a_mass_delete_found_after_writing_says_what_was_written(harness: Harness) -> None:
     # One file renamed (1 of 4 gone: under the plan's guard) and one emptied: only
     # reading finds that 2 of the 4 documents would go.
@@ -614,6 +715,20 @@ def test_unreadable_file_is_reported_and_the_rest_indexed(harness: Harness) -> N
     report = harness.run()
     assert report.documents_embedded == 4
     assert [f.uri for f in report.failures] == ["corpus/broken.md"]
+    assert "kept" not in report.failures[0].error  # nothing was indexed from it
+
+
+def test_a_file_that_fails_after_it_was_indexed_says_its_old_version_is_kept(
+    harness: Harness,
+) -> None:
+    # User trial: a file overwritten with binary was reported as "binary file, skipped"
+    # while queries still returned its old text.
+    harness.run()
+    (harness.root / "beta.md").write_bytes(b"\x00\x01\x02binary\xff\xfe" * 50)
+    report = harness.run()
+    assert [f.uri for f in report.failures] == ["corpus/beta.md"]
+    assert "what was indexed from it before is kept" in report.failures[0].error
+    assert "corpus/beta.md" in {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
 
 
 def test_a_folder_that_cannot_be_listed_keeps_its_documents(

@@ -316,7 +316,12 @@ def ingest(
     ] = False,
     include: Annotated[
         list[str] | None,
-        typer.Option("--include", metavar="GLOB", help="Glob of files to index (repeatable)."),
+        typer.Option(
+            "--include",
+            metavar="GLOB",
+            help="Glob of files to index (repeatable). Replaces the default ones "
+            "(**/*.md, .markdown, .txt, .rst, .html, .htm, .pdf): to add to them, give them too.",
+        ),
     ] = None,
     exclude: Annotated[
         list[str] | None,

@@ -60,6 +60,8 @@ from quarry.sources import (
     file_source,
     iter_documents,
     list_source,
+    refuse_overlapping_sources,
+    subfolder_source,
 )
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
@@ -436,6 +438,9 @@ class IndexSync:
             # One file of a folder: the folder's other files are not this sync's business.
             own = spec.uri_prefix + spec.file
             state = {k: doc for k, doc in state.items() if _file_uri(doc.uri) == own}
+        elif spec.within is not None:  # one subfolder: nor are the files around it
+            under = spec.uri_prefix + spec.within
+            state = {k: doc for k, doc in state.items() if doc.uri.startswith(under)}
         files: dict[str, list[DocState]] = {}
         for doc in state.values():
             files.setdefault(_file_uri(doc.uri), []).append(doc)
@@ -443,13 +448,20 @@ class IndexSync:
         if full_sync and files:
             found, unlisted = listing.still_there()
             gone = sum(1 for uri in files if uri not in found and not uri.startswith(unlisted))
+            new = sum(1 for uri in found if uri not in files and not uri.endswith("/"))
+            moved = (
+                f" {new} files were found that are not indexed: if they are those files moved "
+                "or renamed, --allow-mass-delete indexes them under their new names."
+                if new
+                else ""
+            )
             self._guard_deletes(
                 spec,
                 gone,
                 len(files),
                 allow_mass_delete,
                 unit="files",
-                outcome=f" Nothing of source {spec.name!r} was read, embedded or deleted.",
+                outcome=f"{moved} Nothing of source {spec.name!r} was read, embedded or deleted.",
             )
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
@@ -1169,8 +1181,8 @@ class IndexSync:
         fraction = deleting / existing
         if fraction > self.max_delete_fraction:
             raise MassDeleteRefused(
-                f"syncing {spec.root} would delete {deleting} of the {existing} {unit} "
-                f"indexed from source {spec.name!r} ({fraction:.0%} > "
+                f"syncing {spec.path} would delete {deleting} of the {existing} {unit} "
+                f"indexed from {_scope(spec)} ({fraction:.0%} > "
                 f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
                 "mounted and the glob right? Rerun with --allow-mass-delete (a deployment: "
                 f"-p allow_mass_delete=true) if this is intended.{outcome}"
@@ -1384,15 +1396,30 @@ _PAGE_SUFFIX = re.compile(r"#page=\d+\Z")
 
 
 def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
-    """A one-file source as the folder source that indexed the file, when one did.
+    """A source inside a folder that was indexed, as a part of that folder's source.
 
-    A file synced alone is a source named after its own folder: ``quarry ingest
-    docs/sub/a.md`` writes ``sub/a.md``. Had ``docs/`` been ingested whole, the file
-    is indexed as ``docs/sub/a.md`` already, and that sync would index it twice.
-    So when the file is indexed under an enclosing folder's name, and not under its
-    own folder's, it is synced as that folder's file.
+    A file or folder synced alone is a source named after its own folder: ``quarry
+    ingest docs/sub/a.md`` writes ``sub/a.md``, ``quarry ingest docs/sub`` writes
+    ``sub/...``. Had ``docs/`` been ingested whole, those files are indexed as
+    ``docs/sub/...`` already, or (new ones) will be by its next sync, and the alone
+    sync would index them twice, under two names, the second copy going stale. So a
+    file indexed under an enclosing folder's name, or a file or folder inside a
+    folder that was indexed (one whose files are where its documents say), is synced
+    as that folder's file or subfolder, unless its own folder was itself indexed as a
+    source (then that stays its source).
     """
-    if spec.file is None or "/" in spec.file or not store.exists():
+    if spec.within is not None or (spec.file is not None and "/" in spec.file):
+        return spec
+    if not store.exists():
+        return spec
+    if spec.file is None:
+        if _indexed_here(store, spec.root, spec.name):
+            return spec
+        for folder in spec.root.parents:
+            if not folder.name:
+                break
+            if _indexed_here(store, folder, folder.name):
+                return subfolder_source(folder, spec)
         return spec
     files: dict[str, set[str]] = {}
 
@@ -1419,8 +1446,35 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
             break
         relative = path.relative_to(folder).as_posix()
         if indexed(folder.name, f"{folder.name}/{relative}"):
-            return file_source(folder, relative)
+            return file_source(folder, relative, encoding=spec.encoding)
+    # Not indexed anywhere yet (a new file, or a typo for a gone one): the folder that
+    # indexed its neighbours takes it in, as that folder's next sync would.
+    if not _indexed_here(store, spec.root, spec.name):
+        for folder in spec.root.parents:
+            if not folder.name:
+                break
+            if _indexed_here(store, folder, folder.name):
+                return file_source(
+                    folder, path.relative_to(folder).as_posix(), encoding=spec.encoding
+                )
     return spec
+
+
+def _scope(spec: SourceSpec) -> str:
+    """What a sync of ``spec`` may change, for messages: ``source 'kb'`` (and the part)."""
+    part = f" under {spec.uri_prefix + spec.within!r}" if spec.within else ""
+    return f"source {spec.name!r}{part}"
+
+
+def _indexed_here(store: VectorStore, folder: Path, source: str) -> bool:
+    """Whether the source named ``source`` was indexed from ``folder``: a file of it (of a
+    sample of its documents) is in that folder where its uri says. Another folder of the
+    same name elsewhere, or one whose files are all gone, is not."""
+    prefix = f"{source}/"
+    return any(
+        uri.startswith(prefix) and (folder / _file_uri(uri)[len(prefix) :]).exists()
+        for uri in store.source_uris(source)
+    )
 
 
 def _indexed_files(store: VectorStore, source: str, seen: dict[str, set[str]]) -> set[str]:
@@ -1564,9 +1618,17 @@ def run_sync(
     source is walked, after each batch is written, about every second while a batch
     is awaited or files that need none are checked, and at the end.
     """
-    specs = [as_indexed(sync.store, spec) for spec in specs]
+    given = list(specs)
+    specs = [as_indexed(sync.store, spec) for spec in given]
+    refuse_overlapping_sources(specs)  # again: a part may share its folder's name with another
     refuse_unknown_missing_files(sync.store, specs)
     report = IngestReport(collection=sync.store.alias)
+    for before, spec in zip(given, specs, strict=True):
+        if spec.within is not None and before.within is None:
+            report.notes.append(
+                f"{spec.path} is in {spec.root}, which was indexed as source {spec.name!r}: "
+                f"synced as its part {spec.uri_prefix + spec.within!r}, not as a source of its own"
+            )
     sync.prepare(report)
     for note in report.notes:
         log.info(note)
@@ -1629,7 +1691,7 @@ def run_sync(
             tell()
             if spec.file is None and plan.listing is not None and not plan.listing.found:
                 note = (
-                    f"{spec.root}: no file to index (include {', '.join(spec.include)}); "
+                    f"{spec.path}: no file to index (include {', '.join(spec.include)}); "
                     "check the path and --include"
                 )
                 report.notes.append(note)
@@ -1706,6 +1768,10 @@ def _clean(
     report.chunks_deleted += points
 
 
+# Said of a file that failed to load and was indexed before: a query still finds it.
+_KEPT = "; what was indexed from it before is kept (still searchable)"
+
+
 def _pending_documents(
     sync: IndexSync,
     plan: SourcePlan,
@@ -1755,7 +1821,8 @@ def _pending_documents(
                 )
                 continue
             log.warning("could not load %s: %s", item.uri, item.error)
-            failure = Failure(item.uri, item.error)
+            held = _file_uri(item.uri) in plan.files
+            failure = Failure(item.uri, f"{item.error}{_KEPT if held else ''}")
             report.fail([failure])
             if load_failures is not None:
                 load_failures.append(failure)

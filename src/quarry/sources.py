@@ -322,6 +322,9 @@ class SourceSpec:
     # Set when the source is one file of a folder: its path relative to the root. A sync
     # of it then concerns that file's documents only, not the folder's other files.
     file: str | None = None
+    # Set when the source is one subfolder of a folder that was indexed: its path relative
+    # to the root, with a trailing "/". A sync concerns that subfolder's files only.
+    within: str | None = None
     # The encoding of the source's text files that are not UTF-8 (None: detect it).
     encoding: str | None = None
     _include_re: re.Pattern[str] = field(init=False, repr=False, compare=False, default=_NOTHING)
@@ -350,10 +353,18 @@ class SourceSpec:
         """What every uri of this source starts with: ``"<name>/"``."""
         return f"{self.name}/"
 
+    @property
+    def path(self) -> Path:
+        """What the sync reads: the root, or its one file or subfolder."""
+        part = self.file or self.within
+        return self.root / part if part else self.root
+
     def includes(self, rel: str) -> bool:
         """Whether a file at posix path ``rel`` (relative to the root) is part of the source."""
         if self.file is not None:  # that file only, not one that differs in case
             return rel == self.file
+        if self.within is not None and not rel.startswith(self.within):
+            return False
         return self._include_re.fullmatch(rel) is not None and not self.excludes(rel)
 
     def excludes(self, rel: str) -> bool:
@@ -409,10 +420,26 @@ def _open_source(
     return file_source(resolved.parent, resolved.name)
 
 
-def file_source(root: Path, relative: str) -> SourceSpec:
+def file_source(root: Path, relative: str, *, encoding: str | None = None) -> SourceSpec:
     """The one-file source of the file ``relative`` (a posix path) under the folder ``root``,
     named after ``root``: a sync of it concerns that file's documents only."""
-    return SourceSpec(root, (_escape_glob(relative),), (), file=relative)
+    return SourceSpec(root, (_escape_glob(relative),), (), file=relative, encoding=encoding)
+
+
+def subfolder_source(root: Path, folder: SourceSpec) -> SourceSpec:
+    """The folder source ``folder`` as a part of the folder source at ``root`` (one of its
+    ancestors): named after ``root``, its files get the uris a walk of ``root`` gives
+    them, and a sync of it concerns the files under ``folder.root`` only. Its globs,
+    written relative to ``folder.root``, are made relative to ``root``."""
+    within = folder.root.relative_to(root).as_posix() + "/"
+    prefix = _escape_glob(within)
+    return SourceSpec(
+        root,
+        tuple(prefix + glob for glob in folder.include),
+        tuple(prefix + glob for glob in folder.exclude),
+        within=within,
+        encoding=folder.encoding,
+    )
 
 
 def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
@@ -625,9 +652,14 @@ def _may_hold(spec: SourceSpec, folder: str) -> bool:
     """Whether the folder ``folder`` (relative, with its trailing ``/``) may hold a file
     of ``spec``: one that is not excluded, and for a one-file source only a folder on
     the file's path (one file synced under the folder that indexed it, see
-    quarry.ingest.as_indexed, is not a walk of that folder's whole tree)."""
+    quarry.ingest.as_indexed, is not a walk of that folder's whole tree; nor is a
+    subfolder synced as part of the folder that indexed it)."""
     if spec.file is not None:
         return spec.file.startswith(folder)
+    if spec.within is not None and not (
+        spec.within.startswith(folder) or folder.startswith(spec.within)
+    ):
+        return False  # off the subfolder's path
     return not spec.excludes(folder)
 
 

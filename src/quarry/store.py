@@ -15,6 +15,7 @@ searched as they are.
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import pickle
 import re
@@ -578,6 +579,27 @@ class VectorStore:
             state.chunkings.add(chunking if isinstance(chunking, str) else None)
             state.points += 1
         return states
+
+    def source_uris(self, source: str, limit: int = 64) -> list[str]:
+        """Up to ``limit`` uris of the points of the source named ``source`` (any of them:
+        a sample, for telling which folder a source was indexed from)."""
+        physical = self.resolve()
+        if physical is None:
+            return []
+        if self.is_local:
+            in_place = self._local_payloads(physical)
+            if in_place is not None:
+                uris = (str(p.get("uri")) for p in in_place if p.get("source") == source)
+                return list(itertools.islice(uris, limit))
+        records, _ = self.client.scroll(
+            physical,
+            scroll_filter=models.Filter(
+                must=[models.FieldCondition(key="source", match=models.MatchValue(value=source))]
+            ),
+            limit=limit,
+            with_payload=["uri"],
+        )
+        return [str((record.payload or {}).get("uri")) for record in records]
 
     def _local_payloads(self, physical: str) -> Iterator[Mapping[str, Any]] | None:
         """The live payloads of a local-mode collection, read in place; None if unavailable.
