@@ -619,6 +619,27 @@ def orchestrate(args: argparse.Namespace) -> None:
         "the server and TEI share the CPUs, so the query work inside the server is slower "
         "too; paired takes that out. target: overhead p50 <= 3 ms, p99 <= 15 ms, no errors."
     )
+    print()
+    for level, row in zip(map(str, CONCURRENCY), rows, strict=True):
+        d, a = results[level]["direct"], results[level]["api"]
+        verdicts = [
+            f"overhead p50 {row[7]} ms {'met' if row[7] <= 3 else 'MISSED'}",
+            f"p99 {row[8]} ms {'met' if row[8] <= 15 else 'MISSED'}",
+            f"errors {row[-1]} {'met' if row[-1] == 0 else 'MISSED'}",
+        ]
+        print(f"target at c={level}: " + "; ".join(verdicts))
+        if int(level) > 1 and d["qps"] and a["qps"]:
+            # Closed-loop and CPU-bound: latency = concurrency / throughput, so whatever a
+            # request costs the machine beyond the direct calls is paid once per request
+            # ahead of it in line.
+            extra_ms = 1000 / a["qps"] - 1000 / d["qps"]
+            print(
+                f"  at c={level} both phases keep the 2 cores busy: {d['qps']} direct vs "
+                f"{a['qps']} API queries/s, so each API request costs the machine "
+                f"{extra_ms:.2f} ms more (its HTTP and framework work, the load process's "
+                f"own), and a request waits behind {int(level) - 1} others: "
+                f"{int(level)} x {extra_ms:.2f} = {int(level) * extra_ms:.1f} ms of p50 overhead"
+            )
     path = write_result(
         "query_latency",
         {
