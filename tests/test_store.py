@@ -120,29 +120,27 @@ def test_index_state_reads_local_payloads_in_place_and_agrees_with_a_scroll(
     assert sorted(in_place["docs"]) == ["a"]
 
 
-def test_source_uris_samples_one_sources_live_points_either_way(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = VectorStore(open_client(Settings(data_dir=tmp_path, collection="kb")), "kb")
+def test_source_records_are_merged_by_name_and_kept_in_the_collection(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, collection="kb")
+    store = VectorStore(open_client(settings), "kb")
     try:
-        assert store.source_uris("docs") == []  # no collection yet
+        store.record_sources({"docs": {"root": "/a/docs"}})  # no collection: nothing, no error
+        assert store.source_records() == {}
         store.create(_fingerprint(), {})
-        store.upsert([_point(f"d{i}", 0, 1, "docs") for i in range(5)])
-        store.upsert([_point("n", 0, 1, "notes")])
-        store.delete_documents(["d0"])
-        sampled = [(s, sorted(store.source_uris(s))) for s in ("docs", "notes", "none")]
-        few = store.source_uris("docs", limit=2)
-        monkeypatch.setattr(VectorStore, "_local_payloads", lambda self, physical: None)
-        scrolled = [(s, sorted(store.source_uris(s))) for s in ("docs", "notes", "none")]
+        store.record_sources({"docs": {"root": "/a/docs"}, "notes": {"root": "/a/notes"}})
+        store.record_sources({"docs": {"root": "/b/docs"}})
     finally:
         store.close()
-    assert sampled == scrolled
-    assert sampled == [
-        ("docs", [f"docs/d{i}.md" for i in range(1, 5)]),
-        ("notes", ["notes/n.md"]),
-        ("none", []),
-    ]
-    assert len(few) == 2 and set(few) <= {f"docs/d{i}.md" for i in range(1, 5)}
+    store = VectorStore(open_client(settings), "kb")  # as the next run reads it
+    try:
+        assert store.source_records() == {
+            "docs": {"root": "/b/docs"},
+            "notes": {"root": "/a/notes"},
+        }
+        stored = store.fingerprint()  # the rest of the metadata is kept
+        assert stored is not None and stored.model_key == _fingerprint().model_key
+    finally:
+        store.close()
 
 
 def _local_connection(store: VectorStore, physical: str) -> sqlite3.Connection:

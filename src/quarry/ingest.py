@@ -51,6 +51,8 @@ from quarry.fingerprint import (
     read_fingerprint,
 )
 from quarry.sources import (
+    DEFAULT_EXCLUDE,
+    DEFAULT_INCLUDE,
     LOADER_VERSION,
     Listing,
     LoadFailure,
@@ -1402,25 +1404,24 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
     ingest docs/sub/a.md`` writes ``sub/a.md``, ``quarry ingest docs/sub`` writes
     ``sub/...``. Had ``docs/`` been ingested whole, those files are indexed as
     ``docs/sub/...`` already, or (new ones) will be by its next sync, and the alone
-    sync would index them twice, under two names, the second copy going stale. So a
-    file indexed under an enclosing folder's name, or a file or folder inside a
-    folder that was indexed (one whose files are where its documents say), is synced
-    as that folder's file or subfolder, unless its own folder was itself indexed as a
-    source (then that stays its source).
+    sync would index them twice, under two names, the second copy going stale. So:
+
+    * a file indexed under an enclosing folder's name is synced as that folder's file;
+    * a new file that the enclosing folder's globs pick, and a folder given with the
+      default globs or with that folder's own, are synced as that folder's file or
+      part (with that folder's globs), when that folder is the one its source was
+      last synced from whole: its path is recorded in the collection (META_SOURCES),
+      so another folder of the same name elsewhere is not taken for it;
+    * anything else is a source of its own folder, as before: a folder or file whose
+      own folder was synced whole as a source, and a folder given globs of its own.
     """
     if spec.within is not None or (spec.file is not None and "/" in spec.file):
         return spec
     if not store.exists():
         return spec
+    records = store.source_records()
     if spec.file is None:
-        if _indexed_here(store, spec.root, spec.name):
-            return spec
-        for folder in spec.root.parents:
-            if not folder.name:
-                break
-            if _indexed_here(store, folder, folder.name):
-                return subfolder_source(folder, spec)
-        return spec
+        return _folder_as_indexed(records, spec)
     files: dict[str, set[str]] = {}
 
     def indexed(name: str, uri: str) -> bool:
@@ -1448,33 +1449,58 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
         if indexed(folder.name, f"{folder.name}/{relative}"):
             return file_source(folder, relative, encoding=spec.encoding)
     # Not indexed anywhere yet (a new file, or a typo for a gone one): the folder that
-    # indexed its neighbours takes it in, as that folder's next sync would.
-    if not _indexed_here(store, spec.root, spec.name):
-        for folder in spec.root.parents:
-            if not folder.name:
-                break
-            if _indexed_here(store, folder, folder.name):
-                return file_source(
-                    folder, path.relative_to(folder).as_posix(), encoding=spec.encoding
-                )
+    # indexes its neighbours takes it in if its globs pick it, as its next sync would.
+    if _recorded_at(records, spec.name, spec.root) is not None:
+        return spec
+    for folder in spec.root.parents:
+        record = _recorded_at(records, folder.name, folder)
+        if record is None:
+            continue
+        relative = path.relative_to(folder).as_posix()
+        picks = SourceSpec(folder, tuple(record["include"]), tuple(record["exclude"]))
+        if picks.includes(relative):
+            return file_source(folder, relative, encoding=spec.encoding)
+        return spec
     return spec
+
+
+def _folder_as_indexed(records: Mapping[str, Any], spec: SourceSpec) -> SourceSpec:
+    """:func:`as_indexed` for a folder source."""
+    if _recorded_at(records, spec.name, spec.root) is not None:
+        return spec
+    for folder in spec.root.parents:
+        record = _recorded_at(records, folder.name, folder)
+        if record is None:
+            continue
+        include, exclude = tuple(record["include"]), tuple(record["exclude"])
+        globs = (spec.include, spec.exclude)
+        if globs not in ((DEFAULT_INCLUDE, DEFAULT_EXCLUDE), (include, exclude)):
+            return spec  # globs of its own: a source of its own, as asked
+        within = spec.root.relative_to(folder).as_posix() + "/"
+        return subfolder_source(folder, within, include, exclude, encoding=spec.encoding)
+    return spec
+
+
+def source_record(spec: SourceSpec) -> dict[str, Any]:
+    """What is recorded of a folder source synced whole (see META_SOURCES)."""
+    return {"root": str(spec.root), "include": list(spec.include), "exclude": list(spec.exclude)}
+
+
+def _recorded_at(records: Mapping[str, Any], name: str, folder: Path) -> dict[str, Any] | None:
+    """The record of the source ``name`` if it was last synced whole from ``folder``."""
+    record = records.get(name) if folder.name else None
+    if not isinstance(record, Mapping) or record.get("root") != str(folder):
+        return None
+    globs = (record.get("include"), record.get("exclude"))
+    if not all(isinstance(g, list) and all(isinstance(x, str) for x in g) for g in globs):
+        return None
+    return dict(record)
 
 
 def _scope(spec: SourceSpec) -> str:
     """What a sync of ``spec`` may change, for messages: ``source 'kb'`` (and the part)."""
     part = f" under {spec.uri_prefix + spec.within!r}" if spec.within else ""
     return f"source {spec.name!r}{part}"
-
-
-def _indexed_here(store: VectorStore, folder: Path, source: str) -> bool:
-    """Whether the source named ``source`` was indexed from ``folder``: a file of it (of a
-    sample of its documents) is in that folder where its uri says. Another folder of the
-    same name elsewhere, or one whose files are all gone, is not."""
-    prefix = f"{source}/"
-    return any(
-        uri.startswith(prefix) and (folder / _file_uri(uri)[len(prefix) :]).exists()
-        for uri in store.source_uris(source)
-    )
 
 
 def _indexed_files(store: VectorStore, source: str, seen: dict[str, set[str]]) -> set[str]:
@@ -1618,17 +1644,20 @@ def run_sync(
     source is walked, after each batch is written, about every second while a batch
     is awaited or files that need none are checked, and at the end.
     """
-    given = list(specs)
-    specs = [as_indexed(sync.store, spec) for spec in given]
-    refuse_overlapping_sources(specs)  # again: a part may share its folder's name with another
-    refuse_unknown_missing_files(sync.store, specs)
     report = IngestReport(collection=sync.store.alias)
-    for before, spec in zip(given, specs, strict=True):
-        if spec.within is not None and before.within is None:
+    resolved: list[SourceSpec] = []
+    for given in specs:
+        spec = as_indexed(sync.store, given)
+        if spec.within is not None and given.within is None:
             report.notes.append(
                 f"{spec.path} is in {spec.root}, which was indexed as source {spec.name!r}: "
                 f"synced as its part {spec.uri_prefix + spec.within!r}, not as a source of its own"
             )
+        if spec not in resolved:  # a path given twice (kb/a and kb/a/) is synced once
+            resolved.append(spec)
+    specs = resolved
+    refuse_overlapping_sources(specs)  # again: a part may share its folder's name with another
+    refuse_unknown_missing_files(sync.store, specs)
     sync.prepare(report)
     for note in report.notes:
         log.info(note)
@@ -1728,6 +1757,10 @@ def run_sync(
         # writers' lock is released).
         _wind_down(sync, [future for future, _ in in_flight], log)
         raise
+    # Where each folder synced whole lives, so that a later sync of a part is known.
+    sync.store.record_sources(
+        {s.name: source_record(s) for s in specs if s.file is None and s.within is None}
+    )
     sync.finish(report)
     # Exact at the end: a long document that failed part way had its written windows
     # counted while under way, and is not in the report's chunks.

@@ -37,6 +37,7 @@ from quarry.sources import SourceSpec
 from quarry.store import (
     INTERRUPTED_WRITE,
     META_CHUNKING,
+    META_SOURCES,
     CollectionInfo,
     DocState,
     VectorStore,
@@ -310,7 +311,13 @@ def reindex(
         rekey = _rekey_headings([chunking, probe.settings], probe.embed_headings)
         if not force:
             _refuse_identical(store, previous, live, chunking, min_canary_cosine)
-    physical = store.create_physical(live, chunking, extra_metadata={META_BUILD: BUILDING})
+    extra: dict[str, Any] = {META_BUILD: BUILDING}
+    if not from_source and previous is not None:
+        # Built from the stored chunks: the same folders' documents, so the same records.
+        sources = store.metadata(previous).get(META_SOURCES)
+        if sources:
+            extra[META_SOURCES] = sources
+    physical = store.create_physical(live, chunking, extra_metadata=extra)
     target = store.view(physical)
     gate_refused = False
     try:

@@ -426,20 +426,19 @@ def file_source(root: Path, relative: str, *, encoding: str | None = None) -> So
     return SourceSpec(root, (_escape_glob(relative),), (), file=relative, encoding=encoding)
 
 
-def subfolder_source(root: Path, folder: SourceSpec) -> SourceSpec:
-    """The folder source ``folder`` as a part of the folder source at ``root`` (one of its
-    ancestors): named after ``root``, its files get the uris a walk of ``root`` gives
-    them, and a sync of it concerns the files under ``folder.root`` only. Its globs,
-    written relative to ``folder.root``, are made relative to ``root``."""
-    within = folder.root.relative_to(root).as_posix() + "/"
-    prefix = _escape_glob(within)
-    return SourceSpec(
-        root,
-        tuple(prefix + glob for glob in folder.include),
-        tuple(prefix + glob for glob in folder.exclude),
-        within=within,
-        encoding=folder.encoding,
-    )
+def subfolder_source(
+    root: Path,
+    within: str,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    *,
+    encoding: str | None = None,
+) -> SourceSpec:
+    """The subfolder ``within`` (posix, relative to ``root``, with a trailing ``/``) of the
+    folder source at ``root`` with the globs ``include`` and ``exclude`` (relative to
+    ``root``): named after ``root``, its files get the uris a walk of ``root`` gives
+    them, and a sync of it concerns the files under ``within`` only."""
+    return SourceSpec(root, include, exclude, within=within, encoding=encoding)
 
 
 def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:

@@ -15,7 +15,6 @@ searched as they are.
 from __future__ import annotations
 
 import errno
-import itertools
 import math
 import pickle
 import re
@@ -78,6 +77,9 @@ META_FINGERPRINT = "quarry_fingerprint"
 META_CHUNKING = "quarry_chunking"
 META_ACCEPTED_SERVING = "quarry_accepted_serving"
 META_PARITY = "quarry_parity"
+# Where each folder source was last synced from whole, and with which globs, by source
+# name: {"kb": {"root": "/srv/kb", "include": [...], "exclude": [...]}}.
+META_SOURCES = "quarry_sources"
 
 INDEXED_FIELDS: dict[str, models.PayloadSchemaType] = {
     "doc_id": models.PayloadSchemaType.KEYWORD,
@@ -485,6 +487,20 @@ class VectorStore:
         """Set top-level metadata keys (others are kept)."""
         self.client.update_collection(physical or self._require(), metadata=dict(values))
 
+    def source_records(self) -> dict[str, Any]:
+        """What each folder source was last synced from (see META_SOURCES), by name; empty
+        when the collection does not exist or recorded none."""
+        if not self.exists():
+            return {}
+        records = self.metadata().get(META_SOURCES)
+        return dict(records) if isinstance(records, Mapping) else {}
+
+    def record_sources(self, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """Add or replace the records of these sources (the others are kept); nothing
+        without a collection."""
+        if records and self.exists():
+            self.update_metadata({META_SOURCES: {**self.source_records(), **records}})
+
     def fingerprint(self, physical: str | None = None) -> Fingerprint | None:
         """The stored fingerprint, or None for a collection quarry did not create."""
         data = self.metadata(physical).get(META_FINGERPRINT)
@@ -579,27 +595,6 @@ class VectorStore:
             state.chunkings.add(chunking if isinstance(chunking, str) else None)
             state.points += 1
         return states
-
-    def source_uris(self, source: str, limit: int = 64) -> list[str]:
-        """Up to ``limit`` uris of the points of the source named ``source`` (any of them:
-        a sample, for telling which folder a source was indexed from)."""
-        physical = self.resolve()
-        if physical is None:
-            return []
-        if self.is_local:
-            in_place = self._local_payloads(physical)
-            if in_place is not None:
-                uris = (str(p.get("uri")) for p in in_place if p.get("source") == source)
-                return list(itertools.islice(uris, limit))
-        records, _ = self.client.scroll(
-            physical,
-            scroll_filter=models.Filter(
-                must=[models.FieldCondition(key="source", match=models.MatchValue(value=source))]
-            ),
-            limit=limit,
-            with_payload=["uri"],
-        )
-        return [str((record.payload or {}).get("uri")) for record in records]
 
     def _local_payloads(self, physical: str) -> Iterator[Mapping[str, Any]] | None:
         """The live payloads of a local-mode collection, read in place; None if unavailable.
