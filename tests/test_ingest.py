@@ -647,13 +647,8 @@ def test_a_folder_named_as_the_indexed_folder_around_it_is_its_part(
     }
 
 
-def test_a_part_walks_only_the_folders_on_its_path(
-    harness: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for folder in ("archive/old", "notes/deeper"):
-        (harness.root / folder).mkdir(parents=True)
-        (harness.root / folder / "f.md").write_text(f"In {folder}.")
-    harness.run()
+def _record_listings(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The folders listed from now on, relative to the corpus's parent, in order."""
     listed: list[str] = []
     real_scandir = os.scandir
 
@@ -662,6 +657,17 @@ def test_a_part_walks_only_the_folders_on_its_path(
         return real_scandir(path)
 
     monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    return listed
+
+
+def test_a_part_walks_only_the_folders_on_its_path(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for folder in ("archive/old", "notes/deeper"):
+        (harness.root / folder).mkdir(parents=True)
+        (harness.root / folder / "f.md").write_text(f"In {folder}.")
+    harness.run()
+    listed = _record_listings(harness, monkeypatch)
     harness.run(source=harness.root / "notes")
     assert set(listed) <= {"corpus", "corpus/notes", "corpus/notes/deeper"}, sorted(listed)
 
@@ -731,14 +737,7 @@ def test_one_file_synced_under_its_indexing_folder_lists_only_the_folders_on_its
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"File {n}.")
     harness.run()
-    listed: list[str] = []
-    real_scandir = os.scandir
-
-    def scandir(path: Any) -> Any:
-        listed.append(Path(path).relative_to(harness.root.parent).as_posix())
-        return real_scandir(path)
-
-    monkeypatch.setattr("quarry.sources.os.scandir", scandir)
+    listed = _record_listings(harness, monkeypatch)
     gamma = harness.root / "notes" / "gamma.txt"
     gamma.write_text("Gamma rays, rewritten. " * 30)
     assert harness.run(source=gamma).documents_embedded == 1

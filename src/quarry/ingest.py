@@ -1450,35 +1450,41 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
             return file_source(folder, relative, encoding=spec.encoding)
     # Not indexed anywhere yet (a new file, or a typo for a gone one): the folder that
     # indexes its neighbours takes it in if its globs pick it, as its next sync would.
-    if _recorded_at(records, spec.name, spec.root) is not None:
+    enclosing = _enclosing_record(records, spec)
+    if enclosing is None:
         return spec
-    for folder in spec.root.parents:
-        record = _recorded_at(records, folder.name, folder)
-        if record is None:
-            continue
-        relative = path.relative_to(folder).as_posix()
-        picks = SourceSpec(folder, tuple(record["include"]), tuple(record["exclude"]))
-        if picks.includes(relative):
-            return file_source(folder, relative, encoding=spec.encoding)
-        return spec
+    folder, include, exclude = enclosing
+    relative = path.relative_to(folder).as_posix()
+    if SourceSpec(folder, include, exclude).includes(relative):
+        return file_source(folder, relative, encoding=spec.encoding)
     return spec
 
 
 def _folder_as_indexed(records: Mapping[str, Any], spec: SourceSpec) -> SourceSpec:
     """:func:`as_indexed` for a folder source."""
-    if _recorded_at(records, spec.name, spec.root) is not None:
+    enclosing = _enclosing_record(records, spec)
+    if enclosing is None:
         return spec
+    folder, include, exclude = enclosing
+    globs = (spec.include, spec.exclude)
+    if globs not in ((DEFAULT_INCLUDE, DEFAULT_EXCLUDE), (include, exclude)):
+        return spec  # globs of its own: a source of its own, as asked
+    within = spec.root.relative_to(folder).as_posix() + "/"
+    return subfolder_source(folder, within, include, exclude, encoding=spec.encoding)
+
+
+def _enclosing_record(
+    records: Mapping[str, Any], spec: SourceSpec
+) -> tuple[Path, tuple[str, ...], tuple[str, ...]] | None:
+    """The nearest folder above ``spec``'s root that was synced whole as a source, with its
+    globs; None when there is none, or when ``spec``'s own root was (it stays its source)."""
+    if _recorded_at(records, spec.name, spec.root) is not None:
+        return None
     for folder in spec.root.parents:
         record = _recorded_at(records, folder.name, folder)
-        if record is None:
-            continue
-        include, exclude = tuple(record["include"]), tuple(record["exclude"])
-        globs = (spec.include, spec.exclude)
-        if globs not in ((DEFAULT_INCLUDE, DEFAULT_EXCLUDE), (include, exclude)):
-            return spec  # globs of its own: a source of its own, as asked
-        within = spec.root.relative_to(folder).as_posix() + "/"
-        return subfolder_source(folder, within, include, exclude, encoding=spec.encoding)
-    return spec
+        if record is not None:
+            return folder, tuple(record["include"]), tuple(record["exclude"])
+    return None
 
 
 def source_record(spec: SourceSpec) -> dict[str, Any]:
