@@ -143,6 +143,29 @@ def test_source_records_are_merged_by_name_and_kept_in_the_collection(tmp_path: 
         store.close()
 
 
+def test_source_records_as_recorded_are_not_written_again(tmp_path: Path) -> None:
+    from qdrant_client import QdrantClient
+
+    class Counting(QdrantClient):
+        updates = 0
+
+        def update_collection(self, *args: object, **kwargs: object) -> bool:
+            Counting.updates += 1
+            return super().update_collection(*args, **kwargs)  # type: ignore[arg-type]
+
+    store = VectorStore(Counting(path=str(tmp_path / "q")), "kb")
+    try:
+        store.create(_fingerprint(), {})
+        before = Counting.updates
+        store.record_sources({"docs": {"root": "/a/docs"}})
+        store.record_sources({"docs": {"root": "/a/docs"}})  # a nightly re-ingest: as it was
+        assert Counting.updates == before + 1
+        store.record_sources({"docs": {"root": "/b/docs"}})
+        assert Counting.updates == before + 2
+    finally:
+        store.close()
+
+
 def _local_connection(store: VectorStore, physical: str) -> sqlite3.Connection:
     connection = store.client._client.collections[physical].storage.storage  # type: ignore[attr-defined]
     assert isinstance(connection, sqlite3.Connection)

@@ -1427,7 +1427,7 @@ def as_indexed(store: VectorStore, spec: SourceSpec) -> SourceSpec:
     def indexed(name: str, uri: str) -> bool:
         return uri in _indexed_files(store, name, files)
 
-    path = spec.root / spec.file
+    path = spec.path
     if indexed(spec.name, spec.uri_prefix + spec.file):
         # A source is known by its name alone: an enclosing folder of the same name
         # that indexed this file as name/.../file makes `name/file` another file's uri
@@ -1528,9 +1528,7 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
     missing = [
         spec
         for spec in specs
-        if spec.file is not None
-        and not (spec.root / spec.file).exists()
-        and not (spec.root / spec.file).is_symlink()
+        if spec.file is not None and not spec.path.exists() and not spec.path.is_symlink()
     ]
     if not missing:
         return
@@ -1539,7 +1537,7 @@ def refuse_unknown_missing_files(store: VectorStore, specs: Sequence[SourceSpec]
         uri = f"{spec.uri_prefix}{spec.file}"
         if uri in _indexed_files(store, spec.name, indexed):
             continue
-        path = str(spec.root / str(spec.file))
+        path = str(spec.path)
         # A folder that was indexed is a source named after it, not a file of its parent.
         folder = Path(str(spec.file)).name
         held = len(store.index_state(folder)) if "/" not in str(spec.file) and store.exists() else 0

@@ -458,7 +458,7 @@ def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
                 "Ingest them into different collections (--collection)."
             )
     for spec in specs:
-        path = spec.root / spec.file if spec.file else spec.root
+        path = spec.path
         for outer in specs:
             if outer.file is None and outer.root != spec.root and _takes_in(outer, path, spec):
                 raise ConfigError(

@@ -497,9 +497,12 @@ class VectorStore:
 
     def record_sources(self, records: Mapping[str, Mapping[str, Any]]) -> None:
         """Add or replace the records of these sources (the others are kept); nothing
-        without a collection."""
-        if records and self.exists():
-            self.update_metadata({META_SOURCES: {**self.source_records(), **records}})
+        without a collection, and no write when they are as recorded (a nightly
+        re-ingest of the same folders changes nothing)."""
+        current = self.source_records()
+        changed = {name: dict(r) for name, r in records.items() if current.get(name) != r}
+        if changed and self.exists():
+            self.update_metadata({META_SOURCES: {**current, **changed}})
 
     def fingerprint(self, physical: str | None = None) -> Fingerprint | None:
         """The stored fingerprint, or None for a collection quarry did not create."""
