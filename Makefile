@@ -14,7 +14,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # Stamp files make a second run reuse the environment instead of reinstalling.
-$(VENV)/.local-installed: pyproject.toml | $(BIN)/python
+# The install compiles the chunker (hatch_build.py): a changed source reinstalls.
+$(VENV)/.local-installed: pyproject.toml hatch_build.py src/quarry/_cpieces.c src/quarry/chunking.py | $(BIN)/python
 	# torch first and pinned: any other resolution pulls a multi-GB CUDA build.
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[local]"
@@ -31,8 +32,8 @@ demo: $(VENV)/.local-installed
 	$(BIN)/python -m quarry.demo
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check src flows tests bench
-	$(BIN)/ruff format --check src flows tests bench
+	$(BIN)/ruff check src flows tests bench hatch_build.py
+	$(BIN)/ruff format --check src flows tests bench hatch_build.py
 
 typecheck: $(VENV)/.dev-installed
 	$(BIN)/mypy

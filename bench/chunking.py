@@ -18,7 +18,9 @@ Measured on the same texts, at the same chunk size and overlap:
 - ``quarry.chunking.Chunker``, each pass from an empty piece-count cache, as
   a fresh process meets the text (the row the targets use), and again with
   the cache left warm by the pass before (a long-running worker; an upper
-  bound, since it has seen this very text);
+  bound, since it has seen this very text). The header says which build ran:
+  ``make install-dev`` compiles the module with mypyc and the piece counter in
+  C (hatch_build.py); without a C compiler both run as plain Python;
 - LangChain ``RecursiveCharacterTextSplitter.from_tiktoken_encoder`` and
   ``TokenTextSplitter``; LlamaIndex ``SentenceSplitter`` and
   ``TokenTextSplitter`` (tokenizer: tiktoken ``cl100k_base``).
@@ -273,6 +275,17 @@ def run_peers(
     return report
 
 
+def implementation() -> str:
+    """Which build of quarry's chunker runs (hatch_build.py compiles it when it can)."""
+    from quarry import _pieces, chunking
+
+    compiled = not str(chunking.__file__).endswith(".py")
+    return (
+        f"quarry.chunking {'compiled by mypyc' if compiled else 'as plain Python'}, "
+        f"pieces split and counted by {'quarry._cpieces (C)' if _pieces._cpieces else 'regex'}"
+    )
+
+
 def timed(run: Callable[[], Any]) -> float:
     """CPU seconds of one call."""
     start = time.process_time()
@@ -390,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[name].update(rows)
 
     print(
-        f"\nchunk size {args.max_tokens} tokens, overlap {args.overlap}; "
+        f"\n{implementation()}; chunk size {args.max_tokens} tokens, overlap {args.overlap}; "
         f"MB/s from CPU time, best of {args.rounds}; x limit: median over passes each paired "
         f"with a limit pass; quarry Chunker: each pass from an empty piece-count cache, as a "
         f"fresh process (the row the targets use); warm cache: the cache the pass before left; "

@@ -13,6 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse to test a compiled quarry.chunking older than its source (hatch_build.py
+    compiles it in place; `make install-dev` rebuilds it, plain pytest does not)."""
+    source = Path(__file__).resolve().parent.parent / "src" / "quarry" / "chunking.py"
+    for built in source.parent.glob("chunking.*.so"):
+        if built.stat().st_mtime < source.stat().st_mtime:
+            pytest.exit(
+                f"{built.name} is older than chunking.py: run `make install-dev` to compile it "
+                "again (or delete it to test the plain-Python module)",
+                returncode=4,
+            )
+
+
 @pytest.fixture(autouse=True)
 def _isolated_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """No test sees the developer's QUARRY_* settings; each gets its own data dir."""

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import hashlib
+import importlib.util
 import itertools
 import os
 import subprocess
 import sys
 import tracemalloc
+import types
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quarry import _pieces as pieces_module
 from quarry import chunking
 from quarry.chunking import (
     CHUNKER_VERSION,
@@ -112,6 +118,71 @@ def chunks_of(text: str, max_tokens: int, overlap: int, markup: str = "markdown"
     return list(Chunker(max_tokens, overlap).chunk_text(text, "doc", markup=markup))  # type: ignore[arg-type]
 
 
+def reset_counting() -> None:
+    """Make chunking set up its piece counting again on next use."""
+    chunking._compiled_counts.cache_clear()
+    chunking._piece_counts.cache_clear()
+
+
+@contextlib.contextmanager
+def counted_by(mode: str) -> Iterator[list[str]]:
+    """Chunk with another way of counting, and yield the texts the splitter was given.
+
+    ``regex``: as where quarry._cpieces is not built (the regex splits, a dict
+    counts). ``encoding``: no piece counting at all, every unit encoded with
+    tiktoken (the chunker before quarry._pieces, version 1). Patches module
+    globals and the cached set-up, which a chunking module compiled by mypyc
+    reads at run time too.
+    """
+    calls: list[str] = []
+
+    def regex_split(text: str) -> list[str] | None:
+        calls.append(text)
+        return None if mode == "encoding" else pieces_module.regex_pretokenize(text)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pieces_module, "_configured", lambda: False)
+        patch.setattr(chunking, "pretokenize", regex_split)
+        reset_counting()
+        try:
+            assert chunking._compiled_counter() is None
+            yield calls
+        finally:
+            reset_counting()
+
+
+@functools.cache
+def source_chunking() -> types.ModuleType:
+    """quarry/chunking.py run as plain Python, beside the module mypyc compiled from it."""
+    path = Path(pieces_module.__file__).with_name("chunking.py")
+    spec = importlib.util.spec_from_file_location("quarry_chunking_source", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_install_compiles_the_chunker() -> None:
+    # hatch_build.py compiles it with mypyc; a silent failure would halve chunking's speed
+    # with every other test still passing.
+    if os.environ.get("QUARRY_BUILD_EXTENSION") == "0":
+        pytest.skip("built without extensions on purpose")
+    assert chunking.__file__ is not None and not chunking.__file__.endswith(".py")
+    assert source_chunking().__file__.endswith("chunking.py")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunk_args())
+def test_the_compiled_chunker_gives_the_chunks_its_source_gives(
+    args: tuple[str, int, int, str],
+) -> None:
+    text, max_tokens, overlap, markup = args
+    plain = source_chunking().Chunker(max_tokens, overlap)
+    expected = list(plain.chunk_text(text, "doc", markup=markup))
+    assert chunks_of(text, max_tokens, overlap, markup) == expected
+
+
 # ---------------------------------------------------------------------------
 # Properties
 
@@ -163,10 +234,14 @@ def test_counting_by_pieces_gives_the_chunks_that_encoding_gives(
     # chunker before quarry._pieces, version 1): the chunks must not change.
     text, max_tokens, overlap, markup = args
     by_pieces = chunks_of(text, max_tokens, overlap, markup)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(chunking, "pretokenize", lambda text: None)
+    with counted_by("encoding") as split:
         by_tokens = chunks_of(text, max_tokens, overlap, markup)
+    assert bool(split) == bool(text.strip())  # the switch took effect
+    with counted_by("regex") as split:
+        by_regex = chunks_of(text, max_tokens, overlap, markup)
+    assert bool(split) == bool(text.strip())
     assert by_pieces == by_tokens
+    assert by_regex == by_tokens
 
 
 @PROPERTY_SETTINGS
@@ -389,14 +464,17 @@ def test_overlap_repeats_the_tail_of_the_previous_chunk() -> None:
         assert starts_at_space or text[after.char_start - 1] == "\n"
 
 
-@pytest.mark.parametrize("counted_by", ["pieces", "encoding"])
-def test_overlap_starts_at_a_line_start_when_one_keeps_half_of_it(
-    counted_by: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("counted", ["pieces", "regex", "encoding"])
+def test_overlap_starts_at_a_line_start_when_one_keeps_half_of_it(counted: str) -> None:
     # A table's rows, or hard-wrapped lines: an overlap from the last word start
     # that fits began each chunk with a fragment of a row (" 4 | a fairly long...").
-    if counted_by == "encoding":
-        monkeypatch.setattr(chunking, "pretokenize", lambda text: None)
+    with contextlib.ExitStack() as stack:
+        if counted != "pieces":
+            stack.enter_context(counted_by(counted))
+        overlap_starts_at_a_line_start()
+
+
+def overlap_starts_at_a_line_start() -> None:
     rows = [f"| {i} | item {i} | a fairly long description of item {i} |" for i in range(80)]
     text = "| id | name | description |\n|---|---|---|\n" + "\n".join(rows) + "\n"
     chunks = chunks_of(text, 128, 32)

@@ -1,15 +1,29 @@
-"""Counting by pre-tokenizer pieces agrees with tiktoken, character by character."""
+"""Counting by pre-tokenizer pieces agrees with tiktoken, character by character.
+
+Both splitters are checked: quarry._cpieces (C, what runs where it is built) and
+the regex (what runs where it is not).
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
 import regex  # tiktoken's own dependency: it runs cl100k_base's pattern as written
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quarry._pieces import PieceCounts, countable_characters, pretokenize
+from quarry import _pieces, chunking
+from quarry._pieces import PieceCounts, countable_characters, pretokenize, regex_pretokenize
 from quarry.chunking import _CL100K_PATTERN, count_tokens, get_encoding
 
 CL100K = regex.compile(_CL100K_PATTERN)
+SPLITTERS: dict[str, Callable[[str], list[str] | None]] = {
+    "compiled": pretokenize,
+    "regex": regex_pretokenize,
+}
 
 
 def tiktoken_count(text: str) -> int:
@@ -29,10 +43,11 @@ def test_every_countable_character_splits_as_tiktoken_splits() -> None:
     assert len(chars) > 4000  # the blocks named in quarry._pieces, less unassigned points
     wrong = [hex(ord(c)) for c in chars if count_tokens(probes(c)) != tiktoken_count(probes(c))]
     assert wrong == []
-    split_differently = [
-        hex(ord(c)) for c in chars if pretokenize(probes(c)) != CL100K.findall(probes(c))
-    ]
-    assert split_differently == []
+    for split in SPLITTERS.values():
+        split_differently = [
+            hex(ord(c)) for c in chars if split(probes(c)) != CL100K.findall(probes(c))
+        ]
+        assert split_differently == []
 
 
 def test_every_ascii_character_splits_as_tiktoken_splits() -> None:
@@ -54,9 +69,10 @@ countable = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(countable, max_size=200).map("".join))
 def test_counts_match_tiktoken_on_countable_text(text: str) -> None:
-    pieces = pretokenize(text)
-    assert pieces is not None
-    assert pieces == CL100K.findall(text)
+    for split in SPLITTERS.values():
+        pieces = split(text)
+        assert pieces is not None
+        assert pieces == CL100K.findall(text)
     assert count_tokens(text) == tiktoken_count(text)
 
 
@@ -70,14 +86,16 @@ def test_contractions_split_as_tiktoken_splits() -> None:
     for suffix in ("s", "t", "d", "m", "re", "ll", "ve"):
         for cased in (suffix, suffix.upper(), suffix.capitalize()):
             text = f"it'{cased} it'{cased}x '{cased}99 ''{cased}'"
-            assert pretokenize(text) == CL100K.findall(text), text
+            for split in SPLITTERS.values():
+                assert split(text) == CL100K.findall(text), text
             assert count_tokens(text) == tiktoken_count(text), text
 
 
 def test_characters_outside_the_checked_set_are_not_split() -> None:
     # CJK and emoji are outside the blocks; U+017F matches tiktoken's (?i)'s.
-    for text in ("日本語", "a 😀 b", "it'\u017f", "\U0001d2c0"):
+    for text in ("日本語", "a 😀 b", "it'\u017f", "\U0001d2c0", "x\ud800"):
         assert pretokenize(text) is None
+        assert regex_pretokenize(text) is None
         assert count_tokens(text) == tiktoken_count(text)
 
 
@@ -93,3 +111,132 @@ def test_the_piece_cache_is_bounded_and_skips_long_pieces() -> None:
     assert counts.total(pretokenize("the alpha and the omega") or []) == tiktoken_count(
         "the alpha and the omega"
     )
+
+
+# ---------------------------------------------------------------------------
+# quarry._cpieces itself
+
+
+def test_the_extension_is_built_by_the_install() -> None:
+    # `make install-dev` compiles it (hatch_build.py); a silent failure would make
+    # chunking slower with every other test still passing.
+    if os.environ.get("QUARRY_BUILD_EXTENSION") == "0":
+        pytest.skip("built without the extension on purpose")
+    assert _pieces._cpieces is not None
+
+
+@pytest.fixture
+def compiled() -> Iterator[object]:
+    """quarry._cpieces; chunking's own table is set up afresh after the test."""
+    if _pieces._cpieces is None:
+        pytest.skip("quarry._cpieces is not built")
+    assert _pieces._configured()
+    yield _pieces._cpieces
+    chunking._compiled_counts.cache_clear()
+    chunking._piece_counts.cache_clear()
+
+
+def bpe_count(piece: str) -> int:
+    return len(get_encoding().encode_ordinary(piece))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(countable, max_size=120).map("".join), st.data())
+def test_a_range_counts_as_its_slice_does(text: str, data: st.DataObject) -> None:
+    counts = _pieces.compiled_counter(chunking._piece_counter())
+    if counts is None:
+        pytest.skip("quarry._cpieces is not built")
+    try:
+        start = data.draw(st.integers(0, len(text)))
+        end = data.draw(st.integers(start, len(text)))
+        assert counts.range(text, start, end) == tiktoken_count(text[start:end])
+        assert _pieces._cpieces.split(text, start, end) == CL100K.findall(text[start:end])
+    finally:
+        chunking._compiled_counts.cache_clear()
+        chunking._piece_counts.cache_clear()
+
+
+def test_the_table_is_bounded_and_skips_long_pieces(compiled: object) -> None:
+    seen: list[str] = []
+
+    def count(piece: str) -> int:
+        seen.append(piece)
+        return bpe_count(piece)
+
+    counts = _pieces.compiled_counter(count, max_entries=3)
+    assert counts is not None
+    text = " alpha beta gamma delta epsilon"
+    assert counts.range(text, 0, 11) == tiktoken_count(text[:11])  # " alpha beta"
+    assert seen == [" alpha", " beta"]
+    seen.clear()
+    assert counts.range(text, 0, 11) == tiktoken_count(text[:11])
+    assert seen == []  # held
+    assert counts.range(text, 0, len(text)) == tiktoken_count(text)
+    assert seen == [" gamma", " delta", " epsilon"]
+    assert _pieces._cpieces.size() <= 3  # emptied when full: " delta" and " epsilon" now
+    seen.clear()
+    assert counts.range(text, 0, 11) == tiktoken_count(text[:11])
+    assert seen == [" alpha", " beta"]
+    seen.clear()
+    long_piece = " " + "x" * 200
+    assert counts.piece(long_piece) == bpe_count(long_piece)
+    assert counts.piece(long_piece) == bpe_count(long_piece)
+    assert seen == [long_piece, long_piece]  # never stored
+
+
+def test_a_failing_count_is_raised_not_swallowed(compiled: object) -> None:
+    def count(piece: str) -> int:
+        raise RuntimeError(f"no count for {piece!r}")
+
+    counts = _pieces.compiled_counter(count)
+    assert counts is not None
+    with pytest.raises(RuntimeError, match="no count for ' alpha'"):
+        counts.range(" alpha", 0, 6)
+    with pytest.raises(ValueError, match="range"):
+        counts.range("abc", 2, 1)
+    with pytest.raises(ValueError, match="range"):
+        counts.range("abc", 0, 4)
+    with pytest.raises(TypeError):
+        counts.range(b"abc", 0, 1)  # type: ignore[arg-type]
+
+
+def test_a_count_that_changes_the_table_midway_leaves_it_sound(compiled: object) -> None:
+    # The count callable runs Python, which can let another thread in: the table may
+    # be emptied or refilled before the count comes back.
+    counts: _pieces.CompiledCounts | None = None
+    inside: list[str] = []
+
+    def count(piece: str) -> int:
+        assert counts is not None
+        if not inside:  # one level deep: another caller empties and refills the table
+            inside.append(piece)
+            _pieces._cpieces.clear()
+            assert counts.range(" other words here", 0, 17) == tiktoken_count(" other words here")
+            inside.clear()
+        return bpe_count(piece)
+
+    counts = _pieces.compiled_counter(count, max_entries=4)
+    assert counts is not None
+    text = "The quick brown fox jumps over the lazy dog, twice over."
+    assert counts.range(text, 0, len(text)) == tiktoken_count(text)
+    assert counts.range(text, 0, len(text)) == tiktoken_count(text)
+
+
+def test_threads_counting_at_once_get_exact_counts(compiled: object) -> None:
+    counts = _pieces.compiled_counter(bpe_count, max_entries=64)
+    assert counts is not None
+    words = [f" w{i}x{i * 7}" for i in range(400)]
+    texts = ["".join(words[k::5]) for k in range(5)]
+    wrong: list[str] = []
+
+    def work(text: str) -> None:
+        for _ in range(20):
+            if counts.range(text, 0, len(text)) != tiktoken_count(text):
+                wrong.append(text)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

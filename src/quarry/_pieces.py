@@ -18,6 +18,15 @@ Unicode may assign them) and U+017F, which tiktoken's case-insensitive ``'s``
 matches. Those classes are old and stable; the test suite checks every one of
 those characters against the installed tiktoken. :func:`pretokenize` returns None
 for text with any other character, and the caller encodes it.
+
+``quarry._cpieces`` (``_cpieces.c``, compiled at install by ``hatch_build.py``)
+does the same splitting with a hand-written scanner, 2.5x faster than the regex,
+and counts a range of a text against its own table of per-piece counts without
+making a Python object per piece: counting SciFact from a cold cache takes
+0.11 s in place of 0.44 s. Both read their character classes from
+:func:`character_classes`, so they cannot drift apart, and the tests run both
+against tiktoken's own pattern. Where the extension is not built, the regex and
+:class:`PieceCounts` do the work and give the same counts.
 """
 
 from __future__ import annotations
@@ -27,8 +36,24 @@ import itertools
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
-__all__ = ["PieceCounts", "countable_characters", "pretokenize"]
+__all__ = [
+    "CompiledCounts",
+    "PieceCounts",
+    "RangeCounter",
+    "character_classes",
+    "compiled_counter",
+    "countable_characters",
+    "forget_compiled_counts",
+    "pretokenize",
+    "regex_pretokenize",
+]
+
+try:
+    from quarry import _cpieces
+except ImportError:  # pragma: no cover - built without a C compiler: the regex does the work
+    _cpieces = None  # type: ignore[assignment]
 
 _BLOCKS = (range(0x80, 0x800), range(0x2000, 0x2C00))
 _LONG_S = 0x17F
@@ -74,11 +99,48 @@ def _patterns() -> tuple[re.Pattern[str], re.Pattern[str]]:
     return piece, outside
 
 
+# Character classes, as character_classes() gives them to quarry._cpieces.
+OUTSIDE, LETTER, NUMBER, SPACE, OTHER = range(5)
+_TABLE_SIZE = 0x2C00  # past the last block
+
+
+@functools.cache
+def character_classes() -> bytes:
+    """One class per code point below U+2C00: OUTSIDE (not countable), LETTER (``\\p{L}``),
+    NUMBER (``\\p{N}``), SPACE (``\\s``) or OTHER, as the piece pattern reads them."""
+    table = bytearray(_TABLE_SIZE)
+    for cp in range(0x80):
+        char = chr(cp)
+        table[cp] = LETTER if char.isalpha() else NUMBER if char.isdigit() else OTHER
+    for char in countable_characters():
+        category = unicodedata.category(char)[0]
+        table[ord(char)] = LETTER if category == "L" else NUMBER if category == "N" else OTHER
+    for cp in (*map(ord, "\t\n\x0b\x0c\r "), *_WHITE_SPACE):
+        table[cp] = SPACE
+    return bytes(table)
+
+
+@functools.cache
+def _configured() -> bool:
+    """Whether quarry._cpieces is built; gives it the character classes on first use."""
+    if _cpieces is None:
+        return False
+    _cpieces.configure(character_classes())
+    return True
+
+
 def pretokenize(text: str) -> list[str] | None:
     """tiktoken's pre-tokenizer pieces of ``text``, in order (they concatenate to it).
 
     None when ``text`` has a character outside the countable set.
     """
+    if _configured():
+        return _cpieces.split(text, 0, len(text))
+    return regex_pretokenize(text)
+
+
+def regex_pretokenize(text: str) -> list[str] | None:
+    """:func:`pretokenize` by the regex (what runs where quarry._cpieces is not built)."""
     piece, outside = _patterns()
     if not text.isascii() and outside.search(text) is not None:
         return None
@@ -116,3 +178,37 @@ class PieceCounts(dict[str, int]):
     def total(self, pieces: Iterable[str]) -> int:
         """The token count of the text the pieces make up."""
         return sum(map(self.__getitem__, pieces))
+
+
+RangeCounter = Callable[[str, int, int], "int | None"]
+
+
+class CompiledCounts(NamedTuple):
+    """quarry._cpieces' counters, sharing one table of per-piece counts."""
+
+    range: RangeCounter
+    """``range(text, start, end)``: the token count of ``text[start:end]``; None when it
+    has a character outside the countable set."""
+    piece: Callable[[str], int]
+    """``piece(p)``: the token count of one piece (for :class:`PieceCounts`)."""
+
+
+def compiled_counter(
+    count: Callable[[str], int], max_entries: int = 200_000
+) -> CompiledCounts | None:
+    """quarry._cpieces' counters over a table of per-piece counts, with ``count`` for a
+    piece the table has not seen; None when the extension is not built.
+
+    The table is bounded as :class:`PieceCounts` is. There is one table per
+    process: a second call replaces the first's.
+    """
+    if not _configured():
+        return None
+    _cpieces.set_counter(count, max_entries, _MAX_CACHED_PIECE)
+    return CompiledCounts(_cpieces.count, _cpieces.piece)
+
+
+def forget_compiled_counts() -> None:
+    """Empty quarry._cpieces' table of per-piece counts (nothing when it is not built)."""
+    if _cpieces is not None:
+        _cpieces.clear()

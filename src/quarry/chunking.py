@@ -55,6 +55,11 @@ chunks are contiguous slices of the text (blank lines belong to the unit
 before them), consecutive chunks share only the overlap, and
 ``chunk.text == document.text[chunk.char_start:chunk.char_end]``. A document
 that is empty or all whitespace has no chunks.
+
+The install compiles this module with mypyc (``hatch_build.py``) where it can:
+the same source, about 1.3x faster. The tests compare the compiled module's
+chunks with this file's run as plain Python. So write it as mypy --strict
+reads it: mypyc checks the annotations at run time.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ import importlib
 import itertools
 import re
 import unicodedata
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -75,7 +80,14 @@ from typing import Literal, cast
 import tiktoken
 
 from quarry._markdown import atx_title, rst_title
-from quarry._pieces import PieceCounts, pretokenize
+from quarry._pieces import (
+    CompiledCounts,
+    PieceCounts,
+    RangeCounter,
+    compiled_counter,
+    forget_compiled_counts,
+    pretokenize,
+)
 from quarry.documents import Chunk, Document
 from quarry.errors import ConfigError
 
@@ -204,25 +216,47 @@ def _token_tables() -> tuple[tuple[int, ...], bytes, bytes, bytes, bytes]:
 
 
 @functools.cache
-def _piece_counts() -> PieceCounts:
+def _piece_counter() -> Callable[[str], int]:
+    """One pre-tokenizer piece's token count: its BPE, without the pattern run again."""
     encoding = get_encoding()
     core = getattr(encoding, "_core_bpe", None)
     ranks = getattr(encoding, "_mergeable_ranks", None)
     if core is None or not isinstance(ranks, dict):  # pragma: no cover - tiktoken >= 0.3 has both
-        return PieceCounts(lambda piece: len(encoding.encode_ordinary(piece)))
-    bpe = core.encode_single_piece  # one piece's BPE, without running the pattern again
+        return lambda piece: len(encoding.encode_ordinary(piece))
+    bpe = core.encode_single_piece
 
     def count(piece: str) -> int:
         data = piece.encode("utf-8")
         # As tiktoken's encoder does: a piece that is a token needs no BPE (half the misses).
         return 1 if data in ranks else len(bpe(data))
 
-    return PieceCounts(count)
+    return count
+
+
+@functools.cache
+def _compiled_counts() -> CompiledCounts | None:
+    """quarry._cpieces' counters, or None where it is not built."""
+    return compiled_counter(_piece_counter())
+
+
+def _compiled_counter() -> RangeCounter | None:
+    """quarry._cpieces' counter of a text range, or None where it is not built."""
+    compiled = _compiled_counts()
+    return None if compiled is None else compiled.range
+
+
+@functools.cache
+def _piece_counts() -> PieceCounts:
+    # Backed by quarry._cpieces' table where it is built, so a piece is run through
+    # BPE once whichever path meets it first.
+    compiled = _compiled_counts()
+    return PieceCounts(_piece_counter() if compiled is None else compiled.piece)
 
 
 def forget_piece_counts() -> None:
-    """Empty the process-wide cache of per-piece token counts (a cold start, for benchmarks)."""
+    """Empty the process-wide caches of per-piece token counts (a cold start, for benchmarks)."""
     _piece_counts().clear()
+    forget_compiled_counts()
 
 
 def count_tokens(text: str) -> int:
@@ -231,10 +265,13 @@ def count_tokens(text: str) -> int:
     Exact; text that ``quarry._pieces`` can split is counted piece by piece with
     cached counts, anything else is encoded.
     """
-    ps = pretokenize(text)
-    if ps is not None:
-        return _piece_counts().total(ps)
-    return len(get_encoding().encode_ordinary(text))
+    counter = _compiled_counter()
+    if counter is not None:
+        ntok = counter(text, 0, len(text))
+    else:
+        ps = pretokenize(text)
+        ntok = None if ps is None else _piece_counts().total(ps)
+    return len(get_encoding().encode_ordinary(text)) if ntok is None else ntok
 
 
 # ---------------------------------------------------------------------------
@@ -656,7 +693,9 @@ class _Unit:
     ntok: int
     # This unit is toks[t0:t1] of a shared list: token ids, or (``pieces``) the
     # pre-tokenizer pieces of its text, as _Span describes (counts from _piece_counts()).
-    toks: Sequence[int] | Sequence[str]
+    # None for a unit counted by quarry._cpieces: its pieces are split when needed
+    # (see _pieces_of), which is seldom (a chunk's overlap, a unit cut again).
+    toks: Sequence[int] | Sequence[str] | None
     t0: int
     t1: int
     exact: bool = True  # ntok == count_tokens(text[start:end])
@@ -688,6 +727,16 @@ class _Spec:
     ocount: int
     units: list[_Unit]
     ntok: int = 0
+
+
+def _pieces_of(text: str, unit: _Unit) -> Sequence[str]:
+    """The pre-tokenizer pieces of a ``pieces`` unit, split now if they were not kept."""
+    if unit.toks is None:
+        ps = pretokenize(text[unit.start : unit.end])
+        if ps is None:  # pragma: no cover - the unit was counted by pieces
+            raise AssertionError("a unit counted by pieces has a character outside the set")
+        unit.toks, unit.t0, unit.t1 = ps, 0, len(ps)
+    return cast("Sequence[str]", unit.toks)
 
 
 def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -803,6 +852,7 @@ class Chunker:
         enc = get_encoding()
         encode = enc.encode_ordinary
         counts = _piece_counts()
+        counter = _compiled_counter()
         limit = self._unit_max
         presplit = 3 * limit
         stack: list[tuple[int, str]] = []
@@ -830,6 +880,14 @@ class Chunker:
             )
             # The common case is one short span that fits: one unit, counted by pieces.
             for s, e, lvl, seam in spans:
+                if counter is not None:
+                    # Counted in place; a unit that fits keeps no pieces (_pieces_of).
+                    ntok = counter(text, s, e)
+                    if ntok is not None and ntok <= limit:
+                        yield _Unit(
+                            s, e, lvl, crumbs, ntok, None, 0, 0, True, seam, heading_only, True
+                        )
+                        continue
                 segment = text[s:e]
                 if e - s > presplit and cuts[0] == SENTENCE:
                     yield from self._sentences(segment, s, lvl, seam, crumbs, cuts, heading_only)
@@ -896,6 +954,14 @@ class Chunker:
             else [True, *(_additive(segment, b) for b in bounds[1:-1])]
         )
         additive = all(seams)
+        counter = _compiled_counter()
+        if additive and counter is not None:
+            counted = self._sentence_counts(
+                counter, segment, base, bounds, level, seam, crumbs, heading_only, cuts
+            )
+            if counted is not None:
+                yield from counted
+                return
         ps = pretokenize(segment) if additive else None
         if ps is not None:
             piece_units = self._sentence_pieces(
@@ -928,6 +994,53 @@ class Chunker:
                 )
             else:  # a group over the limit is cut at its sentences first, if it has several
                 yield from self._refine(segment[a:b], base + a, toks, lvl, sm, crumbs, cuts)
+
+    def _sentence_counts(
+        self,
+        counter: RangeCounter,
+        segment: str,
+        base: int,
+        bounds: list[int],
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        heading_only: bool,
+        cuts: tuple[int, ...],
+    ) -> list[_Unit] | None:
+        """:meth:`_sentence_pieces` with each group counted by quarry._cpieces in place.
+
+        The cuts are token-additive, so the groups' counts add up to the
+        segment's. None when a group has a character the counter cannot split.
+        """
+        limit = self._unit_max
+        counts: list[int] = []
+        for a, b in itertools.pairwise(bounds):
+            ntok = counter(segment, a, b)
+            if ntok is None:
+                return None
+            counts.append(ntok)
+        total = sum(counts)
+        if total <= limit:
+            end = base + len(segment)
+            return [
+                _Unit(base, end, level, crumbs, total, None, 0, 0, True, seam, heading_only, True)
+            ]
+        units: list[_Unit] = []
+        for k, ntok in enumerate(counts):
+            a, b = bounds[k], bounds[k + 1]
+            lvl = level if k == 0 else SENTENCE
+            sm = seam if k == 0 else True
+            if ntok > limit:
+                group = segment[a:b]
+                ps = pretokenize(group)
+                if ps is None:  # pragma: no cover - the counter split it
+                    return None
+                units.extend(self._refine_pieces(group, base + a, ps, lvl, sm, crumbs, cuts))
+                continue
+            units.append(
+                _Unit(base + a, base + b, lvl, crumbs, ntok, None, 0, 0, True, sm, False, True)
+            )
+        return units
 
     def _sentence_pieces(
         self,
@@ -1525,6 +1638,8 @@ class _Packer:
             need = limit - len(tail)
             if need <= 0:
                 break
+            if unit.pieces and not unit.seam:
+                _pieces_of(self.text, unit)  # for t1 - t0
             if not unit.exact or (need > unit.t1 - unit.t0 and not unit.seam):
                 known = False
             if unit.pieces:  # a tail that runs into other units: their tokens, encoded now
@@ -1541,7 +1656,7 @@ class _Packer:
             chosen = None  # the earliest word start, unless a line start keeps enough
             for k in range(1, len(tail)):
                 before, token = tail[k - 1], tail[k]
-                at_line = ends_line[before] and starts_word[token]
+                at_line = bool(ends_line[before] and starts_word[token])
                 if at_line or (ends_word[before] and starts_space[token]):
                     if chosen is None:
                         chosen = k
@@ -1595,7 +1710,7 @@ class _Packer:
         for unit in reversed(spec.units):
             if not unit.pieces or (need > unit.ntok and not unit.seam):
                 return None
-            ps = cast("Sequence[str]", unit.toks)
+            ps = _pieces_of(self.text, unit)
             # An entry is at least one token (a placeholder is exactly one), so
             # limit + 1 entries always reach past ``limit`` tokens.
             lo = max(unit.t0, unit.t1 - limit - 1)

@@ -639,7 +639,7 @@ def test_dockerignore_keeps_the_context_small() -> None:
     ]
     assert lines[0] == "*", "start from an allow-list"
     allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert allowed == {"pyproject.toml", "README.md", "src", "flows"}
+    assert allowed == {"pyproject.toml", "README.md", "hatch_build.py", "src", "flows"}
     copied = [args for instruction, args in dockerfile_instructions() if instruction == "COPY"]
     for args in copied:
         if "--from=" in args:
