@@ -9,27 +9,34 @@ Two extensions, both optional by design:
 
 Where there is no C compiler or no mypyc (or ``QUARRY_BUILD_EXTENSION=0``), the
 build says so and goes on: the same modules run as plain Python and give the same
-chunks, about 2x slower. Both are compiled in place, next to their sources: an
-editable install (``make install-dev``) imports them from there (the Makefile
-reinstalls when a source changes), and a wheel carries them with a platform tag.
+chunks, about 2x slower. setuptools compiles both, so ``CC``, ``CFLAGS`` and the
+platform's linker flags apply as for any extension.
+
+An editable install (``make install-dev``) compiles them in place, next to their
+sources, and imports them from there (the Makefile reinstalls when a source
+changes; an editable build first removes what an earlier one left, so a fallback
+never leaves a stale module in front of its source). A wheel is compiled in a
+temporary folder and carries them with a platform tag; the checkout is not
+written to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shlex
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCE = Path("src/quarry/_cpieces.c")
-CHUNKER = Path("src/quarry/chunking.py")
+PACKAGE = Path("src/quarry")
+SOURCE = PACKAGE / "_cpieces.c"
+CHUNKER = PACKAGE / "chunking.py"
+BUILT_PATTERNS = ("_cpieces.*.so", "_cpieces.*.pyd", "chunking*.so", "chunking*.pyd")
 FALLBACK = "it runs as plain Python (same chunks, slower)"
 
 
@@ -38,72 +45,91 @@ def say(message: str) -> None:
     print(f"quarry build: {message}", file=sys.stderr)
 
 
-def compile_extension(root: Path) -> Path | None:
-    """Compile quarry._cpieces next to its source; None (after saying why) when it cannot be."""
-    source = root / SOURCE
-    target = source.with_name("_cpieces" + str(sysconfig.get_config_var("EXT_SUFFIX")))
-    compiler = shlex.split(str(sysconfig.get_config_var("CC") or "cc"))
-    if shutil.which(compiler[0]) is None:
-        say(f"no C compiler ({compiler[0]}): quarry._cpieces not built; {FALLBACK}")
-        return None
-    command = [
-        *compiler,
-        "-shared",
-        "-fPIC",
-        "-O2",
-        "-Wall",
-        f"-I{sysconfig.get_paths()['include']}",
-        str(source),
-        "-o",
-        str(target),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        say(
-            f"building quarry._cpieces failed ({shlex.join(command)}):\n{result.stderr}\n{FALLBACK}"
-        )
-        target.unlink(missing_ok=True)
-        return None
-    return target
+@contextlib.contextmanager
+def _in(folder: Path) -> Iterator[None]:
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
 
 
-def compile_chunker(root: Path) -> list[Path]:
-    """Compile quarry.chunking with mypyc, next to its source; [] (after saying why) when
-    it cannot be. Returns the files built (the module and mypyc's runtime for it)."""
+def _built(folder: Path, patterns: tuple[str, ...]) -> list[Path]:
+    return sorted({path for pattern in patterns for path in folder.glob(pattern)})
+
+
+def remove_built(root: Path) -> None:
+    """Remove the extensions an earlier editable build left next to their sources."""
+    for path in _built(root / PACKAGE, BUILT_PATTERNS):
+        try:
+            path.unlink()
+        except OSError as exc:
+            say(f"cannot remove {path} ({exc}): it may be imported in place of its source")
+
+
+def _setuptools_build(extensions: list[Any], out: Path | None, scratch: str) -> None:
+    """Compile ``extensions`` in place (``out`` None) or into ``out``/quarry/."""
+    from setuptools import Distribution
+
+    distribution = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
+    command: Any = distribution.get_command_obj("build_ext")
+    command.inplace = out is None
+    command.build_temp = scratch
+    command.build_lib = str(out) if out is not None else scratch
+    distribution.run_command("build_ext")
+
+
+def compile_extension(root: Path, out: Path | None, scratch: str) -> list[Path]:
+    """Compile quarry._cpieces; the files built, or [] (after saying why)."""
+    try:
+        from setuptools import Extension
+    except ImportError as exc:
+        say(f"no setuptools ({exc}): quarry._cpieces not built; {FALLBACK}")
+        return []
+    folder = root / PACKAGE if out is None else out / "quarry"
+    try:
+        with _in(root):
+            _setuptools_build([Extension("quarry._cpieces", [str(SOURCE)])], out, scratch)
+    except (Exception, SystemExit) as exc:  # distutils reports a missing compiler by exiting
+        say(f"building quarry._cpieces failed ({exc}); {FALLBACK}")
+        for path in _built(folder, BUILT_PATTERNS[:2]):
+            path.unlink(missing_ok=True)
+        return []
+    return _built(folder, BUILT_PATTERNS[:2])
+
+
+def compile_chunker(root: Path, out: Path | None, scratch: str) -> list[Path]:
+    """Compile quarry.chunking with mypyc; the files built (the module and mypyc's
+    runtime for it), or [] (after saying why)."""
     try:
         from mypyc.build import mypycify
-        from setuptools import Distribution
     except ImportError as exc:
         say(f"no mypyc ({exc}): quarry.chunking not compiled; {FALLBACK}")
         return []
-    package = root / CHUNKER.parent
-    for stale in sorted(package.glob("chunking*.so")):  # the module and its chunking__mypyc runtime
-        stale.unlink()
-    cwd = os.getcwd()
+    folder = root / PACKAGE if out is None else out / "quarry"
     try:
-        os.chdir(root)
-        with tempfile.TemporaryDirectory() as scratch:
+        with _in(root):
             # No config file: the project's mypy settings name plugins (pydantic) that the
             # build environment does not have; chunking.py imports only the standard
-            # library, tiktoken and quarry's own small modules.
+            # library, tiktoken and quarry's own small modules. The cache stays in scratch.
             extensions = mypycify(
-                ["--config-file=", "--ignore-missing-imports", str(CHUNKER)],
+                [
+                    "--config-file=",
+                    "--ignore-missing-imports",
+                    f"--cache-dir={scratch}/mypy",
+                    str(CHUNKER),
+                ],
                 opt_level="3",
-                target_dir=scratch,
+                target_dir=f"{scratch}/mypyc",
             )
-            distribution = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
-            command = distribution.get_command_obj("build_ext")
-            command.inplace = True
-            command.build_temp = scratch
-            distribution.run_command("build_ext")
+            _setuptools_build(extensions, out, scratch)
     except (Exception, SystemExit) as exc:  # mypy reports a type error by exiting
         say(f"compiling quarry.chunking with mypyc failed ({exc}); {FALLBACK}")
-        for built in sorted(package.glob("chunking*.so")):
-            built.unlink()
+        for path in _built(folder, BUILT_PATTERNS[2:]):
+            path.unlink(missing_ok=True)
         return []
-    finally:
-        os.chdir(cwd)
-    return sorted(package.glob("chunking*.so"))
+    return _built(folder, BUILT_PATTERNS[2:])
 
 
 class CustomBuildHook(BuildHookInterface):
@@ -113,21 +139,29 @@ class CustomBuildHook(BuildHookInterface):
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         """Build the extensions; a wheel that carries them is tagged for this platform."""
+        self._out: Path | None = None
         if self.target_name != "wheel":
             return
         root = Path(self.root)
+        editable = version == "editable"
+        if editable:
+            remove_built(root)
         if os.environ.get("QUARRY_BUILD_EXTENSION", "1") == "0":
-            for built in sorted((root / CHUNKER.parent).glob("*.so")):
-                built.unlink()  # an editable install would import them still
             say(f"QUARRY_BUILD_EXTENSION=0: nothing compiled; {FALLBACK}")
             return
-        extension = compile_extension(root)
-        built = [extension] if extension is not None else []
-        built += compile_chunker(root)
+        out = None if editable else Path(tempfile.mkdtemp(prefix="quarry-build-"))
+        self._out = out
+        with tempfile.TemporaryDirectory(prefix="quarry-build-") as scratch:
+            built = compile_extension(root, out, scratch) + compile_chunker(root, out, scratch)
         if not built:
             return
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
-        if version != "editable":
+        if not editable:
             for path in built:
                 build_data["force_include"][str(path)] = f"quarry/{path.name}"
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        """Remove the temporary folder a wheel's extensions were compiled in."""
+        if getattr(self, "_out", None) is not None:
+            shutil.rmtree(str(self._out), ignore_errors=True)

@@ -14,16 +14,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Refuse to test a compiled quarry.chunking older than its source (hatch_build.py
-    compiles it in place; `make install-dev` rebuilds it, plain pytest does not)."""
-    source = Path(__file__).resolve().parent.parent / "src" / "quarry" / "chunking.py"
-    for built in source.parent.glob("chunking.*.so"):
-        if built.stat().st_mtime < source.stat().st_mtime:
-            pytest.exit(
-                f"{built.name} is older than chunking.py: run `make install-dev` to compile it "
-                "again (or delete it to test the plain-Python module)",
-                returncode=4,
-            )
+    """Refuse to test a compiled module older than its source (hatch_build.py compiles
+    them in place; `make install-dev` rebuilds them, plain pytest does not)."""
+    package = Path(__file__).resolve().parent.parent / "src" / "quarry"
+    for source, pattern in (("chunking.py", "chunking.*.so"), ("_cpieces.c", "_cpieces.*.so")):
+        for built in package.glob(pattern):
+            if built.stat().st_mtime < (package / source).stat().st_mtime:
+                pytest.exit(
+                    f"{built.name} is older than {source}: run `make install-dev` to compile "
+                    "it again (or delete it to test the plain-Python module)",
+                    returncode=4,
+                )
 
 
 @pytest.fixture(autouse=True)

@@ -1118,7 +1118,28 @@ def test_version() -> None:
     from quarry import __version__
 
     result = run(["--version"], {}, timeout=60)
-    assert (result.returncode, result.stdout) == (0, f"quarry {__version__}\n")
+    # make install-dev compiles the chunker here (hatch_build.py)
+    assert (result.returncode, result.stdout) == (0, f"quarry {__version__} (chunker compiled)\n")
+
+
+def test_version_says_when_the_chunker_runs_as_plain_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from quarry.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "quarry._cpieces" else real(name, *a),
+    )
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert "(chunker as plain Python: no C compiler or mypyc at install" in result.output
 
 
 def test_help_names_every_option_whole_in_an_80_column_terminal() -> None:

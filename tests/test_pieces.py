@@ -6,7 +6,10 @@ the regex (what runs where it is not).
 
 from __future__ import annotations
 
+import itertools
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -240,3 +243,58 @@ def test_threads_counting_at_once_get_exact_counts(compiled: object) -> None:
     for thread in threads:
         thread.join()
     assert wrong == []
+
+
+def test_a_counter_replaced_while_it_runs_is_not_freed_under_it() -> None:
+    # A caching wrapper uses its own state after the call it wraps; set_counter from
+    # inside that call used to free it while it ran (a crash), so this runs apart.
+    script = """
+import functools, gc
+from quarry import _pieces
+from quarry import _cpieces
+assert _pieces._configured()
+def inner(piece):
+    _cpieces.set_counter(len, 10, 48)
+    gc.collect()
+    return len(piece)
+_cpieces.set_counter(functools.lru_cache(maxsize=8)(inner), 10, 48)
+print(_cpieces.count(" hello world", 0, 12))
+"""
+    if _pieces._cpieces is None:
+        pytest.skip("quarry._cpieces is not built")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "12"  # len(" hello") + len(" world")
+
+
+def test_counts_that_overflow_are_an_error(compiled: object) -> None:
+    counts = _pieces.compiled_counter(lambda piece: sys.maxsize)
+    assert counts is not None
+    with pytest.raises(OverflowError):
+        counts.range(" a b c", 0, 6)
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        _pieces.compiled_counter(bpe_count, max_entries=2**28)
+
+
+def fnv1a_slot(piece: str, mask: int) -> int:
+    """The table slot quarry._cpieces gives a piece (FNV-1a over code points)."""
+    value = 1469598103934665603
+    for char in piece:
+        value = ((value ^ ord(char)) * 1099511628211) % 2**64
+    return (value | 1) & mask
+
+
+def test_pieces_whose_hashes_collide_cost_no_more_than_counting_them(compiled: object) -> None:
+    # Text crafted so that every piece lands on one slot would make each lookup walk
+    # all of them; a lookup gives up after 64 slots and the piece is counted instead.
+    counts = _pieces.compiled_counter(bpe_count, max_entries=200)  # 512 slots
+    assert counts is not None
+    words = (" " + "".join(letters) for letters in itertools.product("abcdefgh", repeat=6))
+    colliding = [word for word in words if fnv1a_slot(word, 511) == 7]  # one piece each
+    assert len(colliding) > 100
+    text = "".join(colliding[:100])
+    assert counts.range(text, 0, len(text)) == tiktoken_count(text)
+    assert _pieces._cpieces.size() == 64  # the rest were counted, not stored
+    assert counts.range(text, 0, len(text)) == tiktoken_count(text)

@@ -43,6 +43,10 @@ static uint32_t *arena = NULL;
 static size_t arena_length = 0;
 static size_t arena_capacity = 0;
 
+/* A lookup gives up (the piece is counted, not cached) after this many slots, so
+ * text made of pieces whose hashes collide costs no more than counting them. */
+#define MAX_PROBES 64
+
 #define CLASS_OF(c) ((c) < TABLE_SIZE ? classes[(c)] : OUTSIDE)
 #define IS_CR_LF(c) ((c) == '\r' || (c) == '\n')
 
@@ -128,7 +132,7 @@ static size_t arena_capacity = 0;
         size_t mask = capacity - 1;                                                       \
         size_t slot = (size_t)h & mask;                                                   \
         uint32_t length = (uint32_t)(b - a);                                              \
-        for (;;) {                                                                        \
+        for (int probes = 0; probes < MAX_PROBES; probes++) {                             \
             Entry *e = &entries[slot];                                                    \
             if (e->hash == 0)                                                             \
                 return e;                                                                 \
@@ -142,6 +146,7 @@ static size_t arena_capacity = 0;
             }                                                                             \
             slot = (slot + 1) & mask;                                                     \
         }                                                                                 \
+        return NULL; /* a long run of colliding pieces: not cached */                     \
     }                                                                                     \
                                                                                           \
     static int NAME##_store(const T *s, Py_ssize_t a, Py_ssize_t b, uint64_t h,           \
@@ -150,8 +155,8 @@ static size_t arena_capacity = 0;
         if (used >= max_entries)                                                          \
             forget();                                                                     \
         Entry *e = NAME##_find(s, a, b, h);                                               \
-        if (e->hash != 0)                                                                 \
-            return 0; /* stored meanwhile, by a thread the count call let in */           \
+        if (e == NULL || e->hash != 0)                                                    \
+            return 0; /* no room near its slot, or stored meanwhile by another caller */  \
         size_t length = (size_t)(b - a);                                                  \
         if (arena_length + length > arena_capacity) {                                     \
             size_t grown = arena_capacity ? arena_capacity * 2 : 65536;                   \
@@ -201,7 +206,7 @@ check_configured(int counting)
     return 0;
 }
 
-/* Parse (text, start, end) and clamp the range as slicing would. */
+/* Parse (text, start, end); a range outside the text is a ValueError. */
 static int
 parse_range(PyObject *const *args, Py_ssize_t nargs, PyObject **text, Py_ssize_t *start,
             Py_ssize_t *end)
@@ -234,13 +239,16 @@ parse_range(PyObject *const *args, Py_ssize_t nargs, PyObject **text, Py_ssize_t
         if (cacheable) {                                                                  \
             h = PIECE##_hash(s, a, b);                                                    \
             Entry *e = PIECE##_find(s, a, b, h);                                          \
-            if (e->hash != 0)                                                             \
+            if (e != NULL && e->hash != 0)                                                \
                 return e->count;                                                          \
         }                                                                                 \
         PyObject *piece = PyUnicode_Substring(text, a, b);                                \
         if (piece == NULL)                                                                \
             return -1;                                                                    \
-        PyObject *result = PyObject_CallOneArg(count_fn, piece);                          \
+        /* Held for the call: set_counter may replace count_fn while it runs. */          \
+        PyObject *fn = Py_NewRef(count_fn);                                               \
+        PyObject *result = PyObject_CallOneArg(fn, piece);                                \
+        Py_DECREF(fn);                                                                    \
         Py_DECREF(piece);                                                                 \
         if (result == NULL)                                                               \
             return -1;                                                                    \
@@ -267,6 +275,10 @@ parse_range(PyObject *const *args, Py_ssize_t nargs, PyObject **text, Py_ssize_t
             Py_ssize_t count = NAME(text, s, i, j);                                       \
             if (count < 0)                                                                \
                 return NULL;                                                              \
+            if (total > PY_SSIZE_T_MAX - count) {                                         \
+                PyErr_SetString(PyExc_OverflowError, "token count too large");           \
+                return NULL;                                                              \
+            }                                                                             \
             total += count;                                                               \
             i = j;                                                                        \
         }                                                                                 \
@@ -419,9 +431,12 @@ cpieces_set_counter(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "count must be callable");
         return NULL;
     }
-    if (entries_max < 1 || entries_max > 0x10000000 || length_max < 0 || length_max > 0xFFFF) {
+    /* The arena is addressed with 32-bit offsets: it must be able to hold a full table. */
+    if (entries_max < 1 || entries_max > 0x10000000 || length_max < 0 || length_max > 0xFFFF ||
+        (uint64_t)entries_max * (uint64_t)length_max >= 0xFFFFFFFFULL) {
         PyErr_SetString(PyExc_ValueError,
-                        "1 <= max_entries <= 2**28 and 0 <= max_cached_length <= 65535");
+                        "1 <= max_entries <= 2**28, 0 <= max_cached_length <= 65535, and "
+                        "max_entries * max_cached_length < 2**32");
         return NULL;
     }
     size_t wanted = 16;
