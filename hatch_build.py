@@ -27,7 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +68,33 @@ def remove_built(root: Path) -> None:
             say(f"cannot remove {path} ({exc}): it may be imported in place of its source")
 
 
-def _setuptools_build(extensions: list[Any], out: Path | None, scratch: str) -> None:
-    """Compile ``extensions`` in place (``out`` None) or into ``out``/quarry/."""
-    from setuptools import Distribution
+def _compile(
+    name: str,
+    extensions: Callable[[], list[Any]],
+    patterns: tuple[str, ...],
+    root: Path,
+    out: Path | None,
+    scratch: str,
+) -> list[Path]:
+    """Compile ``extensions()`` with setuptools, in place (``out`` None) or into
+    ``out``/quarry/; the files built (matching ``patterns``), or [] after saying why."""
+    folder = root / PACKAGE if out is None else out / "quarry"
+    try:
+        from setuptools import Distribution
 
-    distribution = Distribution({"ext_modules": extensions, "package_dir": {"": "src"}})
-    command: Any = distribution.get_command_obj("build_ext")
-    command.inplace = out is None
-    command.build_temp = scratch
-    command.build_lib = str(out) if out is not None else scratch
-    distribution.run_command("build_ext")
+        with _in(root):
+            distribution = Distribution({"ext_modules": extensions(), "package_dir": {"": "src"}})
+            command: Any = distribution.get_command_obj("build_ext")
+            command.inplace = out is None
+            command.build_temp = scratch
+            command.build_lib = str(out) if out is not None else scratch
+            distribution.run_command("build_ext")
+    except (Exception, SystemExit) as exc:  # distutils and mypy report some errors by exiting
+        say(f"building {name} failed ({exc}); {FALLBACK}")
+        for path in _built(folder, patterns):
+            path.unlink(missing_ok=True)
+        return []
+    return _built(folder, patterns)
 
 
 def compile_extension(root: Path, out: Path | None, scratch: str) -> list[Path]:
@@ -87,16 +104,14 @@ def compile_extension(root: Path, out: Path | None, scratch: str) -> list[Path]:
     except ImportError as exc:
         say(f"no setuptools ({exc}): quarry._cpieces not built; {FALLBACK}")
         return []
-    folder = root / PACKAGE if out is None else out / "quarry"
-    try:
-        with _in(root):
-            _setuptools_build([Extension("quarry._cpieces", [str(SOURCE)])], out, scratch)
-    except (Exception, SystemExit) as exc:  # distutils reports a missing compiler by exiting
-        say(f"building quarry._cpieces failed ({exc}); {FALLBACK}")
-        for path in _built(folder, BUILT_PATTERNS[:2]):
-            path.unlink(missing_ok=True)
-        return []
-    return _built(folder, BUILT_PATTERNS[:2])
+    return _compile(
+        "quarry._cpieces",
+        lambda: [Extension("quarry._cpieces", [str(SOURCE)])],
+        BUILT_PATTERNS[:2],
+        root,
+        out,
+        scratch,
+    )
 
 
 def compile_chunker(root: Path, out: Path | None, scratch: str) -> list[Path]:
@@ -107,29 +122,24 @@ def compile_chunker(root: Path, out: Path | None, scratch: str) -> list[Path]:
     except ImportError as exc:
         say(f"no mypyc ({exc}): quarry.chunking not compiled; {FALLBACK}")
         return []
-    folder = root / PACKAGE if out is None else out / "quarry"
-    try:
-        with _in(root):
-            # No config file: the project's mypy settings name plugins (pydantic) that the
-            # build environment does not have; chunking.py imports only the standard
-            # library, tiktoken and quarry's own small modules. The cache stays in scratch.
-            extensions = mypycify(
-                [
-                    "--config-file=",
-                    "--ignore-missing-imports",
-                    f"--cache-dir={scratch}/mypy",
-                    str(CHUNKER),
-                ],
-                opt_level="3",
-                target_dir=f"{scratch}/mypyc",
-            )
-            _setuptools_build(extensions, out, scratch)
-    except (Exception, SystemExit) as exc:  # mypy reports a type error by exiting
-        say(f"compiling quarry.chunking with mypyc failed ({exc}); {FALLBACK}")
-        for path in _built(folder, BUILT_PATTERNS[2:]):
-            path.unlink(missing_ok=True)
-        return []
-    return _built(folder, BUILT_PATTERNS[2:])
+
+    def extensions() -> list[Any]:
+        # No config file: the project's mypy settings name plugins (pydantic) that the
+        # build environment does not have; chunking.py imports only the standard
+        # library, tiktoken and quarry's own small modules. The cache stays in scratch.
+        built: list[Any] = mypycify(
+            [
+                "--config-file=",
+                "--ignore-missing-imports",
+                f"--cache-dir={scratch}/mypy",
+                str(CHUNKER),
+            ],
+            opt_level="3",
+            target_dir=f"{scratch}/mypyc",
+        )
+        return built
+
+    return _compile("quarry.chunking (mypyc)", extensions, BUILT_PATTERNS[2:], root, out, scratch)
 
 
 class CustomBuildHook(BuildHookInterface):
