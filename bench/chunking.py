@@ -277,12 +277,12 @@ def run_peers(
 
 def implementation() -> str:
     """Which build of quarry's chunker runs (hatch_build.py compiles it when it can)."""
-    from quarry import _pieces, chunking
+    from quarry._build_info import compiled
 
-    compiled = not str(chunking.__file__).endswith(".py")
     return (
-        f"quarry.chunking {'compiled by mypyc' if compiled else 'as plain Python'}, "
-        f"pieces split and counted by {'quarry._cpieces (C)' if _pieces._cpieces else 'regex'}"
+        f"quarry.chunking {'compiled by mypyc' if compiled('quarry.chunking') else 'as plain Python'}, "
+        f"pieces split and counted by "
+        f"{'quarry._cpieces (C)' if compiled('quarry._cpieces') else 'regex'}"
     )
 
 

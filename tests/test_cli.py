@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1120,6 +1121,19 @@ def test_version() -> None:
     result = run(["--version"], {}, timeout=60)
     # make install-dev compiles the chunker here (hatch_build.py)
     assert (result.returncode, result.stdout) == (0, f"quarry {__version__} (chunker compiled)\n")
+
+
+def test_include_help_names_the_default_globs() -> None:
+    from typer.testing import CliRunner
+
+    from quarry.cli import app
+    from quarry.sources import DEFAULT_INCLUDE
+
+    shown = CliRunner().invoke(app, ["ingest", "--help"], env={"COLUMNS": "200"}).output
+    listed = re.search(r"\((\*\*/\*\.md[^)]*)\)", " ".join(shown.split()))
+    assert listed is not None, shown
+    suffixes = ["." + s.strip().rsplit(".", 1)[-1] for s in listed.group(1).split(",")]
+    assert suffixes == ["." + glob.rsplit(".", 1)[-1] for glob in DEFAULT_INCLUDE]
 
 
 def test_version_says_when_the_chunker_runs_as_plain_python(

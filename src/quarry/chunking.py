@@ -880,21 +880,20 @@ class Chunker:
             )
             # The common case is one short span that fits: one unit, counted by pieces.
             for s, e, lvl, seam in spans:
-                if counter is not None:
-                    # Counted in place; a unit that fits keeps no pieces (_pieces_of).
-                    ntok = counter(text, s, e)
-                    if ntok is not None and ntok <= limit:
-                        yield _Unit(
-                            s, e, lvl, crumbs, ntok, None, 0, 0, True, seam, heading_only, True
-                        )
-                        continue
+                # Counted in place; a unit that fits keeps no pieces (_pieces_of).
+                counted = counter(text, s, e) if counter is not None else None
+                if counted is not None and counted <= limit:
+                    yield _Unit(
+                        s, e, lvl, crumbs, counted, None, 0, 0, True, seam, heading_only, True
+                    )
+                    continue
                 segment = text[s:e]
                 if e - s > presplit and cuts[0] == SENTENCE:
                     yield from self._sentences(segment, s, lvl, seam, crumbs, cuts, heading_only)
                     continue
                 ps = pretokenize(segment)
                 if ps is not None:
-                    ntok = counts.total(ps)
+                    ntok = counted if counted is not None else counts.total(ps)
                     if ntok <= limit:
                         yield _Unit(
                             s, e, lvl, crumbs, ntok, ps, 0, len(ps), True, seam, heading_only, True
@@ -1007,40 +1006,18 @@ class Chunker:
         heading_only: bool,
         cuts: tuple[int, ...],
     ) -> list[_Unit] | None:
-        """:meth:`_sentence_pieces` with each group counted by quarry._cpieces in place.
-
-        The cuts are token-additive, so the groups' counts add up to the
-        segment's. None when a group has a character the counter cannot split.
-        """
-        limit = self._unit_max
+        """:meth:`_sentence_pieces` with each group counted by quarry._cpieces in place
+        (the units keep no pieces). None when a group has a character the counter
+        cannot split."""
         counts: list[int] = []
         for a, b in itertools.pairwise(bounds):
             ntok = counter(segment, a, b)
             if ntok is None:
                 return None
             counts.append(ntok)
-        total = sum(counts)
-        if total <= limit:
-            end = base + len(segment)
-            return [
-                _Unit(base, end, level, crumbs, total, None, 0, 0, True, seam, heading_only, True)
-            ]
-        units: list[_Unit] = []
-        for k, ntok in enumerate(counts):
-            a, b = bounds[k], bounds[k + 1]
-            lvl = level if k == 0 else SENTENCE
-            sm = seam if k == 0 else True
-            if ntok > limit:
-                group = segment[a:b]
-                ps = pretokenize(group)
-                if ps is None:  # pragma: no cover - the counter split it
-                    return None
-                units.extend(self._refine_pieces(group, base + a, ps, lvl, sm, crumbs, cuts))
-                continue
-            units.append(
-                _Unit(base + a, base + b, lvl, crumbs, ntok, None, 0, 0, True, sm, False, True)
-            )
-        return units
+        return self._group_units(
+            segment, base, bounds, counts, None, level, seam, crumbs, heading_only, cuts
+        )
 
     def _sentence_pieces(
         self,
@@ -1061,61 +1038,73 @@ class Chunker:
         (and cut at ``cuts``). None when a cut is not a piece boundary after
         all; the caller then encodes every group.
         """
-        limit = self._unit_max
-        n = len(segment)
         cum_tok = list(itertools.accumulate(map(_piece_counts().__getitem__, ps), initial=0))
-        if cum_tok[-1] <= limit:
-            ntok = cum_tok[-1]
-            return [
-                _Unit(
-                    base,
-                    base + n,
-                    level,
-                    crumbs,
-                    ntok,
-                    ps,
-                    0,
-                    len(ps),
-                    True,
-                    seam,
-                    heading_only,
-                    True,
-                )
-            ]
-        cum_chars = list(itertools.accumulate(map(len, ps), initial=0))
-        units: list[_Unit] = []
-        j0 = 0
-        for k in range(1, len(bounds)):
-            b = bounds[k]
-            j1 = bisect.bisect_left(cum_chars, b)
-            if j1 >= len(cum_chars) or cum_chars[j1] != b:
-                return None
-            ntok = cum_tok[j1] - cum_tok[j0]
-            lvl, sm = (level, seam) if k == 1 else (SENTENCE, True)
-            if ntok > limit:
-                a = bounds[k - 1]
-                units.extend(
-                    self._refine_pieces(segment[a:b], base + a, ps[j0:j1], lvl, sm, crumbs, cuts)
-                )
-                j0 = j1
-                continue
-            units.append(
-                _Unit(
-                    base + bounds[k - 1],
-                    base + b,
-                    lvl,
-                    crumbs,
-                    ntok,
-                    ps,
-                    j0,
-                    j1,
-                    True,
-                    sm,
-                    False,
-                    True,
-                )
+        if cum_tok[-1] <= self._unit_max:  # one unit: no need to place the cuts
+            whole = [0, len(segment)]
+            return self._group_units(
+                segment,
+                base,
+                whole,
+                [cum_tok[-1]],
+                (ps, [0, len(ps)]),
+                level,
+                seam,
+                crumbs,
+                heading_only,
+                cuts,
             )
-            j0 = j1
+        cum_chars = list(itertools.accumulate(map(len, ps), initial=0))
+        starts = [0]  # each group's first piece
+        for b in bounds[1:]:
+            j = bisect.bisect_left(cum_chars, b)
+            if j >= len(cum_chars) or cum_chars[j] != b:
+                return None
+            starts.append(j)
+        counts = [cum_tok[j1] - cum_tok[j0] for j0, j1 in itertools.pairwise(starts)]
+        return self._group_units(
+            segment, base, bounds, counts, (ps, starts), level, seam, crumbs, heading_only, cuts
+        )
+
+    def _group_units(
+        self,
+        segment: str,
+        base: int,
+        bounds: list[int],
+        counts: list[int],
+        kept: tuple[list[str], list[int]] | None,
+        level: int,
+        seam: bool,
+        crumbs: tuple[str, ...],
+        heading_only: bool,
+        cuts: tuple[int, ...],
+    ) -> list[_Unit]:
+        """Units of a long unit of prose cut at ``bounds`` into groups of ``counts``
+        tokens: one unit when they all fit, else one per group, a group over the
+        limit cut further at ``cuts``. ``kept``: the segment's pieces and the index of
+        each group's first one, or None (counted in place: split when needed)."""
+        limit = self._unit_max
+        total = sum(counts)
+        if total <= limit:
+            toks, t1 = (kept[0], len(kept[0])) if kept is not None else (None, 0)
+            end = base + len(segment)
+            return [
+                _Unit(base, end, level, crumbs, total, toks, 0, t1, True, seam, heading_only, True)
+            ]
+        units: list[_Unit] = []
+        for k, ntok in enumerate(counts):
+            a, b = bounds[k], bounds[k + 1]
+            lvl, sm = (level, seam) if k == 0 else (SENTENCE, True)
+            ps, j0, j1 = (kept[0], kept[1][k], kept[1][k + 1]) if kept is not None else (None, 0, 0)
+            if ntok <= limit:
+                units.append(
+                    _Unit(base + a, base + b, lvl, crumbs, ntok, ps, j0, j1, True, sm, False, True)
+                )
+                continue
+            group = segment[a:b]
+            pieces = ps[j0:j1] if ps is not None else pretokenize(group)
+            if pieces is None:  # pragma: no cover - the counter split it
+                raise AssertionError("a group counted by pieces has a character outside the set")
+            units.extend(self._refine_pieces(group, base + a, pieces, lvl, sm, crumbs, cuts))
         return units
 
     def _windows(

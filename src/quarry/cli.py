@@ -49,24 +49,12 @@ app = typer.Typer(
 )
 
 
-def _build() -> str:
-    """Which build of the chunker this install runs (hatch_build.py compiles it when it can)."""
-    import importlib.util
-
-    def compiled(module: str) -> bool:
-        spec = importlib.util.find_spec(module)
-        return spec is not None and not str(spec.origin or "").endswith(".py")
-
-    if compiled("quarry.chunking") and compiled("quarry._cpieces"):
-        return "chunker compiled"
-    return "chunker as plain Python: no C compiler or mypyc at install (see hatch_build.py)"
-
-
 def _print_version(asked: bool) -> None:
     if asked:
         from quarry import __version__
+        from quarry._build_info import chunker_build
 
-        typer.echo(f"quarry {__version__} ({_build()})")
+        typer.echo(f"quarry {__version__} ({chunker_build()})")
         raise typer.Exit(EXIT_OK)
 
 
@@ -333,6 +321,7 @@ def ingest(
             "--include",
             metavar="GLOB",
             help="Glob of files to index (repeatable). Replaces the default ones "
+            # Written out: importing quarry.sources here would slow every command's start.
             "(**/*.md, .markdown, .txt, .rst, .html, .htm, .pdf): to add to them, give them too.",
         ),
     ] = None,

@@ -490,19 +490,22 @@ class VectorStore:
     def source_records(self) -> dict[str, Any]:
         """What each folder source was last synced from (see META_SOURCES), by name; empty
         when the collection does not exist or recorded none."""
-        if not self.exists():
-            return {}
-        records = self.metadata().get(META_SOURCES)
-        return dict(records) if isinstance(records, Mapping) else {}
+        return self._stored_sources() if self.exists() else {}
 
     def record_sources(self, records: Mapping[str, Mapping[str, Any]]) -> None:
         """Add or replace the records of these sources (the others are kept); nothing
         without a collection, and no write when they are as recorded (a nightly
         re-ingest of the same folders changes nothing)."""
-        current = self.source_records()
+        if not self.exists():
+            return
+        current = self._stored_sources()
         changed = {name: dict(r) for name, r in records.items() if current.get(name) != r}
-        if changed and self.exists():
+        if changed:
             self.update_metadata({META_SOURCES: {**current, **changed}})
+
+    def _stored_sources(self) -> dict[str, Any]:
+        records = self.metadata().get(META_SOURCES)
+        return dict(records) if isinstance(records, Mapping) else {}
 
     def fingerprint(self, physical: str | None = None) -> Fingerprint | None:
         """The stored fingerprint, or None for a collection quarry did not create."""
