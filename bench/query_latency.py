@@ -10,16 +10,18 @@ In the same run, for concurrency 1 and 16, from separate processes:
 * **direct**: the embed + search + rerank calls of one query, made with the API's
   own async clients (``AsyncEmbeddingClient``, ``AsyncStore``, ``AsyncRerankClient``)
   in a process of their own, no HTTP server in between; like ``quarry api``, it
-  freezes its heap (``gc.freeze``) once the collection is loaded;
+  freezes its heap (``gc.freeze``) once the collection is loaded, and runs BLAS on
+  one thread;
 * **API**: ``POST /v1/query`` round trips against ``quarry api`` (uvicorn, in a child
   process), sent by a load process over keep-alive connections. Like wrk or oha, the
   load process writes HTTP/1.1 itself on asyncio streams (a few dozen lines below),
   so a round trip measures the API and not a Python HTTP client
   (``--client httpx2`` measures with httpx2 instead).
 
-It prints p50/p95/p99 of both, the overhead (API minus direct) and the ratio, and
-the errors. Target: overhead p50 <= 3 ms and p99 <= 15 ms, no errors. Not a test:
-nothing is asserted; the figures go to ``bench/.out/query_latency.json``.
+It prints p50/p95/p99 of both, the overhead (API minus direct) and the ratio, the
+errors, and the CPU each process (direct, API server, load, TEI) spent per query.
+Target: overhead p50 <= 3 ms and p99 <= 15 ms, no errors. Not a test: nothing is
+asserted; the figures go to ``bench/.out/query_latency.json``.
 
     .venv/bin/python bench/query_latency.py [--points 20000] [--requests 400]
 
@@ -57,7 +59,7 @@ from _tei import TEIProcess, TEISettings
 ALIAS = "bench"
 API_KEY = "bench-key"
 QUERIES = DEFAULT_CORPUS.parent / "queries.jsonl"
-CONCURRENCY = (1, 16)
+CONCURRENCY: tuple[int, ...] = (1, 16)
 
 
 # -- the collection -------------------------------------------------------------------------
@@ -181,10 +183,32 @@ Call = Callable[[str], Awaitable[tuple[bool, float | None, float | None]]]
 """One query: (answered, the server's time in the query path, its time in all, if it says)."""
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a process has used so far, from /proc; None elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(processes: dict[str, int]) -> dict[str, float | None]:
+    """:func:`cpu_seconds` of each named process."""
+    return {name: cpu_seconds(pid) for name, pid in processes.items()}
+
+
 async def closed_loop(
-    call: Call, queries: Sequence[str], concurrency: int, requests: int
+    call: Call,
+    queries: Sequence[str],
+    concurrency: int,
+    requests: int,
+    processes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """``concurrency`` workers, each sending its next query as soon as the last one answers."""
+    """``concurrency`` workers, each sending its next query as soon as the last one answers.
+
+    ``processes`` (name -> pid) are the ones whose CPU time the run is charged for
+    (this one included): what each spent while it ran goes in ``cpu_s``.
+    """
     latencies: list[float] = []
     inside: list[float] = []
     framework: list[float] = []
@@ -210,27 +234,40 @@ async def closed_loop(
                     framework.append(app_ms - server_ms)
             errors += 0 if ok else 1
 
+    before = cpu_of(processes or {})
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
+    after = cpu_of(processes or {})
+    spent = {
+        name: after[name] - start  # type: ignore[operator]
+        for name, start in before.items()
+        if start is not None and after[name] is not None
+    }
     return {
         "latencies_ms": latencies,
         "outside_ms": inside,
         "framework_ms": framework,
         "errors": errors,
         "seconds": elapsed,
+        "cpu_s": spent,
     }
 
 
 async def run_levels(
-    call: Call, queries: Sequence[str], requests: int, warmup: int
+    call: Call, queries: Sequence[str], args: argparse.Namespace, **processes: int
 ) -> dict[str, Any]:
-    """A warm-up, then each concurrency level in turn."""
-    await closed_loop(call, queries, 4, warmup)
+    """A warm-up, then each concurrency level in turn, charging ``processes`` for CPU."""
+    await closed_loop(call, queries, 4, args.warmup)
+    watched = {name: pid for name, pid in processes.items() if pid}
     out = {}
     for concurrency in CONCURRENCY:
         out[str(concurrency)] = await closed_loop(
-            call, queries, concurrency, requests * (1 if concurrency == 1 else 4)
+            call,
+            queries,
+            concurrency,
+            args.requests * (1 if concurrency == 1 else 4),
+            watched,
         )
     return out
 
@@ -265,7 +302,7 @@ def child_direct(args: argparse.Namespace) -> None:
         reranker = AsyncRerankClient(args.tei)
         task = settings.query_task
 
-        async def one(query: str) -> tuple[bool, float | None]:
+        async def one(query: str) -> tuple[bool, float | None, float | None]:
             vector = await embedder.embed_query(query, task=task)
             hits = await store.search(vector, 50)
             await reranker.score(query, rerank_texts(hits))
@@ -277,13 +314,17 @@ def child_direct(args: argparse.Namespace) -> None:
             await one("warm up")
             gc.collect()
             gc.freeze()
-            return await run_levels(one, load_queries(), args.requests, args.warmup)
+            return await run_levels(one, load_queries(), args, direct=os.getpid(), tei=args.tei_pid)
         finally:
             await embedder.aclose()
             await reranker.aclose()
             await store.close()
 
-    Path(args.out).write_text(json.dumps(run_loop(main())))
+    # BLAS threads as `quarry api` sets them (quarry.api.serve): one, with local mode.
+    from quarry.api import _one_blas_thread
+
+    with _one_blas_thread(Settings(data_dir=Path(args.data_dir), collection=ALIAS)):
+        Path(args.out).write_text(json.dumps(run_loop(main())))
 
 
 def child_serve(args: argparse.Namespace) -> None:
@@ -362,7 +403,9 @@ def child_load(args: argparse.Namespace) -> None:
                 idle.append(connection)
             return parse(status, answer_headers.get("server-timing", ""), answer.decode())
 
-        return await run_levels(one, load_queries(), args.requests, args.warmup)
+        return await run_levels(
+            one, load_queries(), args, load=os.getpid(), server=args.server_pid, tei=args.tei_pid
+        )
 
     async def with_httpx2() -> dict[str, Any]:
         import httpx2
@@ -380,7 +423,14 @@ def child_load(args: argparse.Namespace) -> None:
                 timing = response.headers.get("server-timing", "")
                 return parse(response.status_code, timing, response.text)
 
-            return await run_levels(one, load_queries(), args.requests, args.warmup)
+            return await run_levels(
+                one,
+                load_queries(),
+                args,
+                load=os.getpid(),
+                server=args.server_pid,
+                tei=args.tei_pid,
+            )
 
     main = with_httpx2 if args.client == "httpx2" else with_streams
     Path(args.out).write_text(json.dumps(run_loop(main())))
@@ -447,12 +497,21 @@ def _pool(into: dict[str, Any], run: dict[str, Any]) -> None:
     for level, result in run.items():
         pooled = into.setdefault(
             level,
-            {"latencies_ms": [], "outside_ms": [], "framework_ms": [], "errors": 0, "seconds": 0.0},
+            {
+                "latencies_ms": [],
+                "outside_ms": [],
+                "framework_ms": [],
+                "errors": 0,
+                "seconds": 0.0,
+                "cpu_s": {},
+            },
         )
         for key in ("latencies_ms", "outside_ms", "framework_ms"):
             pooled[key].extend(result.get(key, []))
         pooled["errors"] += result["errors"]
         pooled["seconds"] += result["seconds"]
+        for name, seconds in result.get("cpu_s", {}).items():
+            pooled["cpu_s"][name] = pooled["cpu_s"].get(name, 0.0) + seconds
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -468,6 +527,13 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         "p95": round(float(np.percentile(values, 95)), 2),
         "p99": round(float(np.percentile(values, 99)), 2),
     }
+    # CPU each process spent per query, and the share of the machine all of them used.
+    cpu = run.get("cpu_s", {})
+    if cpu and len(values):
+        summary["cpu_ms_per_query"] = {
+            name: round(1000 * seconds / len(values), 2) for name, seconds in cpu.items()
+        }
+        summary["cpu_busy"] = round(sum(cpu.values()) / (run["seconds"] * _cpus()), 3)
     for key, name in (("outside_ms", "outside"), ("framework_ms", "framework")):
         if run.get(key):
             spread = np.array(run[key])
@@ -523,6 +589,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                         str(direct_dir),
                         "--tei",
                         tei.url,
+                        "--tei-pid",
+                        str(tei.pid),
                         out=tmp / "d.json",
                         args=args,
                         requests=per_round,
@@ -537,6 +605,10 @@ def orchestrate(args: argparse.Namespace) -> None:
                         api_url,
                         "--client",
                         args.client,
+                        "--tei-pid",
+                        str(tei.pid),
+                        "--server-pid",
+                        str(server.pid),
                         out=tmp / "a.json",
                         args=args,
                         requests=per_round,
@@ -619,6 +691,18 @@ def orchestrate(args: argparse.Namespace) -> None:
         "the server and TEI share the CPUs, so the query work inside the server is slower "
         "too; paired takes that out. target: overhead p50 <= 3 ms, p99 <= 15 ms, no errors."
     )
+    cpu_rows = _cpu_rows(results)
+    if cpu_rows:
+        print(
+            "\nCPU per query, ms, by process (from /proc, over the measured requests only); "
+            "busy = all of them together as a share of the machine's CPUs\n"
+        )
+        print(
+            table(
+                ["conc", "phase", "direct", "API server", "load", "TEI", "total", "busy"],
+                cpu_rows,
+            )
+        )
     print()
     for level, row in zip(map(str, CONCURRENCY), rows, strict=True):
         d, a = results[level]["direct"], results[level]["api"]
@@ -629,17 +713,25 @@ def orchestrate(args: argparse.Namespace) -> None:
         ]
         print(f"target at c={level}: " + "; ".join(verdicts))
         if int(level) > 1 and d["qps"] and a["qps"]:
-            # Closed-loop and CPU-bound: latency = concurrency / throughput, so whatever a
-            # request costs the machine beyond the direct calls is paid once per request
-            # ahead of it in line.
+            # Closed loop: latency = concurrency / throughput, so whatever an API request
+            # holds the slowest stage (the CPUs, or local mode's one search thread) longer
+            # than the direct calls do is paid once per request ahead of it in line.
             extra_ms = 1000 / a["qps"] - 1000 / d["qps"]
             print(
-                f"  at c={level} both phases keep the 2 cores busy: {d['qps']} direct vs "
-                f"{a['qps']} API queries/s, so each API request costs the machine "
-                f"{extra_ms:.2f} ms more (its HTTP and framework work, the load process's "
-                f"own), and a request waits behind {int(level) - 1} others: "
-                f"{int(level)} x {extra_ms:.2f} = {int(level) * extra_ms:.1f} ms of p50 overhead"
+                f"  at c={level}: {d['qps']} direct vs {a['qps']} API queries/s, so each API "
+                f"request holds the line {extra_ms:.2f} ms longer, and a request waits behind "
+                f"{int(level) - 1} others: {int(level)} x {extra_ms:.2f} = "
+                f"{int(level) * extra_ms:.1f} ms of p50 overhead"
             )
+            d_cpu, a_cpu = d.get("cpu_ms_per_query"), a.get("cpu_ms_per_query")
+            if d_cpu and a_cpu:
+                print(
+                    f"  CPU per query: {sum(a_cpu.values()):.2f} ms through the API (the load "
+                    f"process's {a_cpu.get('load', 0):.2f} ms included) vs "
+                    f"{sum(d_cpu.values()):.2f} ms direct ({_cpu_extra(d_cpu, a_cpu):+.2f} ms); "
+                    f"the machine was {a['cpu_busy']:.0%} busy in the API phase, "
+                    f"{d['cpu_busy']:.0%} in the direct one"
+                )
     path = write_result(
         "query_latency",
         {
@@ -654,6 +746,41 @@ def orchestrate(args: argparse.Namespace) -> None:
         },
     )
     log(f"wrote {path}")
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_extra(direct: dict[str, float], api: dict[str, float]) -> float:
+    return sum(api.values()) - sum(direct.values())
+
+
+def _cpu_rows(results: dict[str, Any]) -> list[list[Any]]:
+    """Rows of the CPU table: per level and phase, each process's CPU ms per query."""
+    rows = []
+    for level, phases in results.items():
+        for phase in ("direct", "api"):
+            cpu = phases[phase].get("cpu_ms_per_query")
+            if not cpu:
+                continue
+            rows.append(
+                [
+                    int(level),
+                    "direct" if phase == "direct" else "API",
+                    cpu.get("direct", "-"),
+                    cpu.get("server", "-"),
+                    cpu.get("load", "-"),
+                    cpu.get("tei", "-"),
+                    round(sum(cpu.values()), 2),
+                    f"{phases[phase]['cpu_busy']:.0%}",
+                ]
+            )
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -680,6 +807,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="streams",
         help="the load process's HTTP client (default: HTTP/1.1 on asyncio streams)",
     )
+    parser.add_argument("--tei-pid", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int)
     parser.add_argument("--out")
     args = parser.parse_args(argv)

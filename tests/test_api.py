@@ -652,6 +652,57 @@ def test_serve_lets_queries_in_flight_at_shutdown_end_within_their_own_time(
     assert configs[0].timeout_graceful_shutdown > 30.0
 
 
+def _blas_threads() -> set[int]:
+    from threadpoolctl import threadpool_info
+
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+@pytest.mark.parametrize(
+    ("qdrant_url", "environment", "threads"),
+    [
+        (None, {}, 1),
+        ("http://127.0.0.1:6333", {}, 2),
+        (None, {"OPENBLAS_NUM_THREADS": "2"}, 2),
+    ],
+    ids=["local-mode", "qdrant-server", "set-by-the-user"],
+)
+def test_serve_searches_local_mode_on_one_blas_thread(
+    qdrant_url: str | None,
+    environment: dict[str, str],
+    threads: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second BLAS thread spins after each of local mode's matrix-vector products; a
+    # Qdrant server searches in its own process, and a thread count the environment
+    # sets is the user's: BLAS is then left as it was.
+    import numpy  # noqa: F401  (loads the BLAS whose threads are counted)
+    from threadpoolctl import threadpool_limits
+
+    if not _blas_threads():
+        pytest.skip("threadpoolctl sees no BLAS library here (e.g. Apple's Accelerate)")
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    during: list[set[int]] = []
+
+    class Server:
+        def __init__(self, config: Any) -> None:
+            pass
+
+        def run(self) -> None:
+            during.append(_blas_threads())
+
+    monkeypatch.setattr("quarry.api.uvicorn.Server", Server)
+    with threadpool_limits(limits=2, user_api="blas"):  # as on any machine with 2+ cores
+        settings = Settings(data_dir=tmp_path, qdrant_url=qdrant_url)
+        serve(settings, host="127.0.0.1", port=_free_port())
+        assert during == [{threads}]
+        assert _blas_threads() == {2}  # given back when the server stops
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
 def test_serve_allows_loopback_without_a_key(host: str, tmp_path: Path) -> None:
     check_bind_address(Settings(data_dir=tmp_path), host)

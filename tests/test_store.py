@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import uuid
 from pathlib import Path
@@ -9,10 +10,11 @@ from pathlib import Path
 import pytest
 from qdrant_client import models
 
+from quarry._async_clients import AsyncStore, open_async_qdrant
 from quarry.config import Settings
 from quarry.errors import ConfigError, WriteFailed
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
-from quarry.store import DocState, VectorStore, open_client
+from quarry.store import SEARCH_FIELDS, DocState, VectorStore, open_client
 
 
 def _fingerprint() -> Fingerprint:
@@ -78,6 +80,35 @@ def test_collections_rank_unit_vectors_by_dot_product_and_queries_at_any_scale(
         assert [hit.score for hit in hits] == pytest.approx([1.0, 0.0], abs=1e-6)
     finally:
         store.close()
+
+
+def test_searches_return_the_result_fields_and_leave_the_bookkeeping_in_qdrant(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(data_dir=tmp_path, collection="kb")
+    store = VectorStore(open_client(settings), "kb")
+    point = _point("a", 0, 1, "docs")
+    assert point.payload is not None
+    point.payload.update(title="A", headings=["Intro"], model_key="k", chunking="c")
+    try:
+        store.create(_fingerprint(), {})
+        store.upsert([point])
+        (hit,) = store.search([0.5, 0.5, 0.5, 0.5], 5)
+    finally:
+        store.close()
+
+    async def search_async() -> list[models.ScoredPoint]:
+        async_store = AsyncStore(open_async_qdrant(settings), "kb")
+        try:
+            return await async_store.search([0.5, 0.5, 0.5, 0.5], 5)
+        finally:
+            await async_store.close()
+
+    (async_hit,) = asyncio.run(search_async())
+    shown = {"text", "uri", "doc_id", "chunk_index", "title", "headings", "metadata", "model_key"}
+    assert set(SEARCH_FIELDS) == shown
+    for found in (hit, async_hit):
+        assert found.payload == {key: point.payload[key] for key in shown}
 
 
 def _point(doc: str, index: int, count: int, source: str) -> models.PointStruct:

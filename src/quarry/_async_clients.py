@@ -60,6 +60,7 @@ from quarry.rerank import (
 from quarry.store import (
     LOCAL_STORAGE_ERRORS,
     META_FINGERPRINT,
+    SEARCH_FIELDS,
     CollectionInfo,
     local_mode_locked,
     local_mode_unreadable,
@@ -675,7 +676,7 @@ class ThreadedLocalQdrant:
         query: list[float],
         limit: int,
         query_filter: models.Filter | None,
-        with_payload: bool,
+        with_payload: bool | Sequence[str],
     ) -> models.QueryResponse:
         """The nearest points."""
         return await self._run(
@@ -763,7 +764,7 @@ class AsyncStore:
             query=unit_vector(vector),
             limit=limit,
             query_filter=query_filter,
-            with_payload=True,
+            with_payload=SEARCH_FIELDS,
         )
         return response.points
 

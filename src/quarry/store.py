@@ -103,6 +103,20 @@ _SCAN_FIELDS = [
     "metadata",
 ]
 
+SEARCH_FIELDS = [
+    "text",
+    "uri",
+    "doc_id",
+    "chunk_index",
+    "title",
+    "headings",
+    "metadata",
+    "model_key",
+]
+"""The payload a search returns: what a result shows, and the ``model_key`` that the
+query API checks. The bookkeeping fields (hashes, spans, timestamps, chunking) stay in
+Qdrant: a Qdrant server sends less, and local mode deep-copies less, per candidate."""
+
 
 # The hash a reindex gives a document whose points disagree (an ingest was killed
 # while it wrote them): no content hash equals it, so the next sync reads the file again.
@@ -673,7 +687,7 @@ class VectorStore:
             query=unit_vector(vector),
             limit=limit,
             query_filter=query_filter,
-            with_payload=True,
+            with_payload=SEARCH_FIELDS,
         ).points
 
     # -- writing ---------------------------------------------------------------------------
