@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import sqlite3
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from qdrant_client import models
 
-from quarry._async_clients import AsyncStore, open_async_qdrant
+from quarry._async_clients import AsyncStore, ThreadedLocalQdrant, open_async_qdrant
 from quarry.config import Settings
 from quarry.errors import ConfigError, WriteFailed
 from quarry.fingerprint import Fingerprint, ModelIdentity, ServingIdentity
@@ -311,3 +314,83 @@ def test_a_document_is_complete_only_as_one_whole_write(
     state = DocState("d", "kb/a.md", hashes, counts, indexes, points=len(indexes))
     assert state.is_complete() is complete
     assert state.is_current("h") is (complete and hashes == {"h"})
+
+
+def _random_collection(path: Path, points: int, size: int) -> list[list[float]]:
+    """A local-mode collection ``c`` of random vectors; returns some random queries."""
+    from qdrant_client import QdrantClient
+
+    chosen = random.Random(7)
+    client = QdrantClient(path=str(path))
+    client.create_collection("c", models.VectorParams(size=size, distance=models.Distance.DOT))
+    client.upsert(
+        "c",
+        [
+            models.PointStruct(
+                id=i, vector=[chosen.uniform(-1, 1) for _ in range(size)], payload={"n": i}
+            )
+            for i in range(points)
+        ],
+    )
+    client.close()
+    return [[chosen.uniform(-1, 1) for _ in range(size)] for _ in range(24)]
+
+
+def _search(client: ThreadedLocalQdrant, query: list[float]) -> Any:
+    return client.query_points("c", query=query, limit=10, query_filter=None, with_payload=True)
+
+
+def test_local_searches_run_at_once_and_answer_as_one_at_a_time(tmp_path: Path) -> None:
+    queries = _random_collection(tmp_path / "q", 3000, 32)
+
+    async def main() -> None:
+        client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=4)
+        try:
+            alone = [(await _search(client, query)).points for query in queries]
+            # Two searches must be under way together to pass the barrier.
+            both = threading.Barrier(2, timeout=10)
+            search = client._client.query_points
+
+            def meeting(*args: Any, **kwargs: Any) -> Any:
+                both.wait()
+                return search(*args, **kwargs)
+
+            client._client.query_points = meeting  # type: ignore[method-assign]
+            met = await asyncio.gather(*(_search(client, query) for query in queries[:2]))
+            client._client.query_points = search  # type: ignore[method-assign]
+            together = await asyncio.gather(*(_search(client, query) for query in queries * 4))
+        finally:
+            await client.close()
+        assert [len(answer.points) for answer in met] == [10, 10]
+        for answer, expected in zip(together, alone * 4, strict=True):
+            assert [(p.id, p.score, p.payload) for p in answer.points] == [
+                (p.id, p.score, p.payload) for p in expected
+            ]
+
+    asyncio.run(main())
+
+
+def test_closing_local_qdrant_waits_for_the_searches_under_way(tmp_path: Path) -> None:
+    queries = _random_collection(tmp_path / "q", 50, 8)
+
+    async def main() -> None:
+        client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=2)
+        release = threading.Event()
+        search = client._client.query_points
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            release.wait(10)
+            return search(*args, **kwargs)
+
+        client._client.query_points = held  # type: ignore[method-assign]
+        searching = asyncio.ensure_future(_search(client, queries[0]))
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(client.close())
+        await asyncio.sleep(0.2)
+        assert not closing.done()  # the search under way still reads the collection
+        release.set()
+        answer = await searching
+        await closing
+        assert len(answer.points) == 10
+
+    asyncio.run(asyncio.wait_for(main(), 30))
