@@ -1834,18 +1834,14 @@ def test_local_qdrant_is_opened_on_the_thread_that_uses_it(
     # As on a platform whose SQLite refuses a connection used by another thread.
     monkeypatch.setattr(CollectionPersistence, "CHECK_SAME_THREAD", True)
 
-    async def main() -> tuple[int, int]:
+    async def main() -> int:
         client = ThreadedLocalQdrant(str(tmp_path / "data" / "qdrant"))
         try:
-            # Searches run on threads of their own: they never touch the SQLite file.
-            found = await client.query_points(
-                "test", query=[0.1] * 8, limit=5, query_filter=None, with_payload=True
-            )
-            return (await client.count("plain", exact=True)).count, len(found.points)
+            return (await client.count("plain", exact=True)).count
         finally:
             await client.close()
 
-    assert asyncio.run(main()) == (1, 1)
+    assert asyncio.run(main()) == 1
 
 
 @pytest.mark.parametrize(

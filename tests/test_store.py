@@ -316,13 +316,16 @@ def test_a_document_is_complete_only_as_one_whole_write(
     assert state.is_current("h") is (complete and hashes == {"h"})
 
 
-def _random_collection(path: Path, points: int, size: int) -> list[list[float]]:
-    """A local-mode collection ``c`` of random vectors; returns some random queries."""
+def _random_collection(
+    path: Path, points: int, size: int, distance: models.Distance = models.Distance.DOT
+) -> list[list[float]]:
+    """A local-mode collection ``c`` (aliased ``kb``) of random vectors; returns random
+    queries."""
     from qdrant_client import QdrantClient
 
     chosen = random.Random(7)
     client = QdrantClient(path=str(path))
-    client.create_collection("c", models.VectorParams(size=size, distance=models.Distance.DOT))
+    client.create_collection("c", models.VectorParams(size=size, distance=distance))
     client.upsert(
         "c",
         [
@@ -332,65 +335,130 @@ def _random_collection(path: Path, points: int, size: int) -> list[list[float]]:
             for i in range(points)
         ],
     )
+    client.update_collection_aliases(
+        change_aliases_operations=[
+            models.CreateAliasOperation(
+                create_alias=models.CreateAlias(collection_name="c", alias_name="kb")
+            )
+        ]
+    )
     client.close()
     return [[chosen.uniform(-1, 1) for _ in range(size)] for _ in range(24)]
 
 
 def _search(client: ThreadedLocalQdrant, query: list[float]) -> Any:
-    return client.query_points("c", query=query, limit=10, query_filter=None, with_payload=True)
+    return client.query_points("kb", query=query, limit=10, query_filter=None, with_payload=True)
 
 
-def test_local_searches_run_at_once_and_answer_as_one_at_a_time(tmp_path: Path) -> None:
-    queries = _random_collection(tmp_path / "q", 3000, 32)
+def _watch_threads(client: ThreadedLocalQdrant, before: Any = None) -> list[str]:
+    """Record the thread each search runs on (after ``before``, if given)."""
+    names: list[str] = []
+    search = client._client.query_points
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        names.append(threading.current_thread().name)
+        if before is not None:
+            before()
+        return search(*args, **kwargs)
+
+    client._client.query_points = watched  # type: ignore[method-assign]
+    return names
+
+
+def _unwatch(client: ThreadedLocalQdrant) -> None:
+    # The wrapper refers to the client: left in place, the client's last reference
+    # would go on this thread, where its __del__ touches SQLite.
+    vars(client._client).pop("query_points", None)
+
+
+def test_local_searches_run_at_once_and_answer_as_one_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qdrant_client.local.persistence import CollectionPersistence
+
+    queries = _random_collection(tmp_path / "q", 300, 32)
+    # As on a platform whose SQLite refuses a connection used by another thread: the
+    # searches, on threads of their own, never touch it.
+    monkeypatch.setattr(CollectionPersistence, "CHECK_SAME_THREAD", True)
 
     async def main() -> None:
         client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=4)
         try:
             alone = [(await _search(client, query)).points for query in queries]
             # Two searches must be under way together to pass the barrier.
-            both = threading.Barrier(2, timeout=10)
-            search = client._client.query_points
-
-            def meeting(*args: Any, **kwargs: Any) -> Any:
-                both.wait()
-                return search(*args, **kwargs)
-
-            client._client.query_points = meeting  # type: ignore[method-assign]
+            threads = _watch_threads(client, threading.Barrier(2, timeout=10).wait)
             met = await asyncio.gather(*(_search(client, query) for query in queries[:2]))
-            client._client.query_points = search  # type: ignore[method-assign]
+            _unwatch(client)
             together = await asyncio.gather(*(_search(client, query) for query in queries * 4))
         finally:
+            _unwatch(client)
             await client.close()
         assert [len(answer.points) for answer in met] == [10, 10]
+        assert len(set(threads)) == 2 and all(
+            name.startswith("quarry-qdrant-search") for name in threads
+        )
         for answer, expected in zip(together, alone * 4, strict=True):
-            assert [(p.id, p.score, p.payload) for p in answer.points] == [
-                (p.id, p.score, p.payload) for p in expected
+            assert [(p.id, p.payload) for p in answer.points] == [
+                (p.id, p.payload) for p in expected
             ]
+            assert [p.score for p in answer.points] == pytest.approx([p.score for p in expected])
 
     asyncio.run(main())
 
 
-def test_closing_local_qdrant_waits_for_the_searches_under_way(tmp_path: Path) -> None:
+def test_a_collection_searched_by_cosine_is_searched_one_at_a_time(tmp_path: Path) -> None:
+    # Local mode's cosine search divides the stored vectors by their norms in place:
+    # two at once would divide them twice.
+    queries = _random_collection(tmp_path / "q", 50, 8, models.Distance.COSINE)
+
+    async def main() -> list[str]:
+        client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=4)
+        try:
+            threads = _watch_threads(client)
+            answers = await asyncio.gather(*(_search(client, query) for query in queries[:8]))
+            assert all(len(answer.points) == 10 for answer in answers)
+            return threads
+        finally:
+            _unwatch(client)
+            await client.close()
+
+    threads = asyncio.run(main())
+    assert len(threads) == 8 and set(threads) == {"quarry-qdrant_0"}
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "cancelled"])
+def test_closing_local_qdrant_waits_for_the_searches_under_way(
+    tmp_path: Path, cancelled: bool
+) -> None:
+    from qdrant_client import QdrantClient
+
     queries = _random_collection(tmp_path / "q", 50, 8)
 
     async def main() -> None:
         client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=2)
         release = threading.Event()
-        search = client._client.query_points
-
-        def held(*args: Any, **kwargs: Any) -> Any:
-            release.wait(10)
-            return search(*args, **kwargs)
-
-        client._client.query_points = held  # type: ignore[method-assign]
+        _watch_threads(client, lambda: release.wait(10))
         searching = asyncio.ensure_future(_search(client, queries[0]))
         await asyncio.sleep(0.05)
         closing = asyncio.ensure_future(client.close())
         await asyncio.sleep(0.2)
         assert not closing.done()  # the search under way still reads the collection
+        _unwatch(client)  # (the search under way keeps its wrapper)
+        if cancelled:
+            closing.cancel()
         release.set()
         answer = await searching
-        await closing
         assert len(answer.points) == 10
+        if not cancelled:
+            await closing
+            return
+        # Cancelled, the closing still happens: the folder's lock is let go.
+        for _ in range(100):
+            try:
+                QdrantClient(path=str(tmp_path / "q")).close()
+                return
+            except RuntimeError:  # still held
+                await asyncio.sleep(0.1)
+        raise AssertionError("the folder stayed locked after a cancelled close")
 
     asyncio.run(asyncio.wait_for(main(), 30))

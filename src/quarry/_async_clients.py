@@ -627,7 +627,14 @@ class _QueryGuard:
 # -- Qdrant (read side) -----------------------------------------------------------------------
 
 
-LOCAL_SEARCH_THREADS = max(1, min(4, os.cpu_count() or 1))
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+LOCAL_SEARCH_THREADS = max(1, min(4, _usable_cpus()))
 """Local-mode searches run at once: one per CPU, up to 4. Each is a matrix-vector
 product that releases the GIL (4 ms at 20,000 x 384 on one BLAS thread), then about
 1.4 ms of Python that holds it: past 4, searches would only queue for the GIL."""
@@ -640,12 +647,18 @@ class ThreadedLocalQdrant:
     coroutine, so every search held up the event loop (a ``/healthz`` waited for
     it). Here one thread owns the client (it opens and closes it, and answers the
     questions about collections), and searches run on up to
-    :data:`LOCAL_SEARCH_THREADS` threads of their own, several at once. Local mode
-    is not safe for concurrent writes, but nothing here writes, and its reads change
-    nothing: a search reads the collection's vectors and payloads in memory, never
-    its SQLite file, and builds its answer from new objects. With one search thread,
-    searches queued behind each other while CPUs stood idle: ``quarry api`` answered
-    127 queries/s at concurrency 16 on 2 CPUs, 151 with two (bench/query_latency.py).
+    :data:`LOCAL_SEARCH_THREADS` threads of their own, several at once. With one
+    search thread, searches queued behind each other while CPUs stood idle:
+    ``quarry api`` answered 127 queries/s at concurrency 16 on 2 CPUs, 151 with two
+    (bench/query_latency.py).
+
+    Local mode is not safe for concurrent writes; nothing here writes, and a
+    dot-product search changes nothing (read in qdrant-client 1.16 to 1.20): it reads
+    the vectors and payloads in memory, never the SQLite file, and builds its answer
+    from new objects. A cosine search does change state: it divides the stored
+    vectors by their norms in place, which two searches at once would do twice. So a
+    collection made for cosine (by an earlier quarry) is searched on the owning
+    thread, one search at a time, as before.
     """
 
     def __init__(self, path: str, *, search_threads: int = LOCAL_SEARCH_THREADS) -> None:
@@ -657,10 +670,26 @@ class ThreadedLocalQdrant:
         # another thread than its creator's (check_same_thread).
         try:
             self._client = self._thread.submit(QdrantClient, path=path).result()
+            # Fixed while this client lives: no other process opens the folder, and
+            # this one writes nothing.
+            self._one_at_a_time = self._thread.submit(self._cosine_names).result()
         except BaseException:
             self._thread.shutdown(wait=False)
             self._searches.shutdown(wait=False)
             raise
+
+    def _cosine_names(self) -> frozenset[str]:
+        """The collections searched by cosine, and the aliases that point at them."""
+        names: set[str] = set()
+        for description in self._client.get_collections().collections:
+            vectors = self._client.get_collection(description.name).config.params.vectors
+            params = vectors.values() if isinstance(vectors, dict) else [vectors]
+            if any(p is not None and p.distance == models.Distance.COSINE for p in params):
+                names.add(description.name)
+        for alias in self._client.get_aliases().aliases:
+            if alias.collection_name in names:
+                names.add(alias.alias_name)
+        return frozenset(names)
 
     async def _run(self, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -695,7 +724,8 @@ class ThreadedLocalQdrant:
         query_filter: models.Filter | None,
         with_payload: bool | list[str],
     ) -> models.QueryResponse:
-        """The nearest points, on a search thread (several may run at once)."""
+        """The nearest points, on a search thread (several may run at once), or on
+        the owning thread for a collection searched by cosine."""
         search = functools.partial(
             self._client.query_points,
             collection_name,
@@ -704,16 +734,22 @@ class ThreadedLocalQdrant:
             query_filter=query_filter,
             with_payload=with_payload,
         )
-        return await asyncio.get_running_loop().run_in_executor(self._searches, search)
+        threads = self._thread if collection_name in self._one_at_a_time else self._searches
+        return await asyncio.get_running_loop().run_in_executor(threads, search)
 
     async def close(self) -> None:
         """Close the client (releasing the folder's lock) once the searches under way
-        end, and stop its threads."""
+        end, and stop its threads. Once begun, the closing goes on if the caller is
+        cancelled."""
         try:
-            await asyncio.to_thread(self._searches.shutdown, wait=True)
-            await self._run(self._close_here)
+            closing = self._thread.submit(self._close_after_searches)
+            await asyncio.shield(asyncio.wrap_future(closing))
         finally:
             self._thread.shutdown(wait=False)
+
+    def _close_after_searches(self) -> None:
+        self._searches.shutdown(wait=True)
+        self._close_here()
 
     def _close_here(self) -> None:
         client = self._client

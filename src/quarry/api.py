@@ -2139,7 +2139,7 @@ def _one_blas_thread(settings: Settings) -> AbstractContextManager[object]:
     for: ``bench/query_latency.py`` measured a quarter less CPU per query with one.
     A Qdrant server searches in its own process: BLAS here is left alone.
 
-    Set on the main thread, before the search thread starts: threadpoolctl lets only
+    Set on the main thread, before the search threads start: threadpoolctl lets only
     the thread that set a limit change it while it holds, and an OpenMP build of
     OpenBLAS (not pip's or the image's, which use pthreads) keeps it per thread.
     """
