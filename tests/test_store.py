@@ -406,16 +406,37 @@ def test_local_searches_run_at_once_and_answer_as_one_at_a_time(
     asyncio.run(main())
 
 
-def test_a_collection_searched_by_cosine_is_searched_one_at_a_time(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("distance", "query_filter"),
+    [
+        (models.Distance.COSINE, None),
+        (
+            models.Distance.DOT,
+            models.Filter(must=[models.FieldCondition(key="n", range=models.Range(gte=0))]),
+        ),
+    ],
+    ids=["cosine", "filtered"],
+)
+def test_searches_that_cannot_share_the_collection_run_one_at_a_time(
+    tmp_path: Path, distance: models.Distance, query_filter: models.Filter | None
+) -> None:
     # Local mode's cosine search divides the stored vectors by their norms in place:
-    # two at once would divide them twice.
-    queries = _random_collection(tmp_path / "q", 50, 8, models.Distance.COSINE)
+    # two at once would divide them twice. A filter is tested against every payload
+    # in Python, holding the GIL: two at once only keep the event loop waiting longer.
+    queries = _random_collection(tmp_path / "q", 50, 8, distance)
 
     async def main() -> list[str]:
         client = ThreadedLocalQdrant(str(tmp_path / "q"), search_threads=4)
         try:
             threads = _watch_threads(client)
-            answers = await asyncio.gather(*(_search(client, query) for query in queries[:8]))
+            answers = await asyncio.gather(
+                *(
+                    client.query_points(
+                        "kb", query=query, limit=10, query_filter=query_filter, with_payload=True
+                    )
+                    for query in queries[:8]
+                )
+            )
             assert all(len(answer.points) == 10 for answer in answers)
             return threads
         finally:
