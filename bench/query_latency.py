@@ -533,7 +533,9 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
         summary["cpu_ms_per_query"] = {
             name: round(1000 * seconds / len(values), 2) for name, seconds in cpu.items()
         }
-        summary["cpu_busy"] = round(sum(cpu.values()) / (run["seconds"] * _cpus()), 3)
+        from quarry._async_clients import usable_cpus
+
+        summary["cpu_busy"] = round(sum(cpu.values()) / (run["seconds"] * usable_cpus()), 3)
     for key, name in (("outside_ms", "outside"), ("framework_ms", "framework")):
         if run.get(key):
             spread = np.array(run[key])
@@ -728,7 +730,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                 print(
                     f"  CPU per query: {sum(a_cpu.values()):.2f} ms through the API (the load "
                     f"process's {a_cpu.get('load', 0):.2f} ms included) vs "
-                    f"{sum(d_cpu.values()):.2f} ms direct ({_cpu_extra(d_cpu, a_cpu):+.2f} ms); "
+                    f"{sum(d_cpu.values()):.2f} ms direct "
+                    f"({sum(a_cpu.values()) - sum(d_cpu.values()):+.2f} ms); "
                     f"the machine was {a['cpu_busy']:.0%} busy in the API phase, "
                     f"{d['cpu_busy']:.0%} in the direct one"
                 )
@@ -746,18 +749,6 @@ def orchestrate(args: argparse.Namespace) -> None:
         },
     )
     log(f"wrote {path}")
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on (its affinity), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _cpu_extra(direct: dict[str, float], api: dict[str, float]) -> float:
-    return sum(api.values()) - sum(direct.values())
 
 
 def _cpu_rows(results: dict[str, Any]) -> list[list[Any]]:

@@ -627,14 +627,15 @@ class _QueryGuard:
 # -- Qdrant (read side) -----------------------------------------------------------------------
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), else the machine's."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 
-LOCAL_SEARCH_THREADS = max(1, min(4, _usable_cpus()))
+LOCAL_SEARCH_THREADS = max(1, min(4, usable_cpus()))
 """Local-mode searches run at once: one per CPU, up to 4. Each is a matrix-vector
 product that releases the GIL (4 ms at 20,000 x 384 on one BLAS thread), then about
 1.4 ms of Python that holds it: past 4, searches would only queue for the GIL."""

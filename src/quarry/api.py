@@ -70,7 +70,6 @@ from qdrant_client import models
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from threadpoolctl import threadpool_limits
 
 from quarry import __version__
 from quarry._async_clients import (
@@ -2145,6 +2144,8 @@ def _one_blas_thread(settings: Settings) -> AbstractContextManager[object]:
     """
     if settings.qdrant_url or any(os.environ.get(name) for name in _BLAS_THREAD_VARIABLES):
         return nullcontext()
+    from threadpoolctl import threadpool_limits  # 30 ms to import: only where it is used
+
     limits: AbstractContextManager[object] = threadpool_limits(limits=1, user_api="blas")
     return limits
 
