@@ -307,14 +307,23 @@ def test_api_answers_as_the_cli_searcher_does(
 
 
 def test_query_is_formatted_with_the_recorded_profile_and_task(
-    make_app: AppFactory, tmp_path: Path, tei: LocalTEIServer
+    make_app: AppFactory, tmp_path: Path, tei: LocalTEIServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The index's task wins over a QUARRY_QUERY_TASK changed since it was built."""
+    """The index's task wins over a QUARRY_QUERY_TASK changed since it was built, and
+    the log says so once (operator trial: it did so without a word)."""
+    caplog.set_level(logging.INFO, logger="quarry.api")
     corpus = write_corpus(tmp_path / "corpus", {"one.md": "Quarry water is forty metres deep."})
     recorded = {"prompt_profile": "e5-instruct", "query_task": "Find the depth"}
     _build_collection(tmp_path / "instr", corpus, tei.url, **recorded)
     app = make_app(data=tmp_path / "instr", prompt_profile="e5-instruct", query_task="Other")
     hit = query(app, {"query": "how deep", "rerank": False}).json()["results"][0]
+    assert query(app, {"query": "how deep", "rerank": False}).status_code == 200
+    assert app.get("/readyz").status_code == 200  # judges the fingerprints again
+    said = [r.getMessage() for r in caplog.records if "QUARRY_QUERY_TASK" in r.getMessage()]
+    assert said == [
+        "quarry api: queries of 'test' use the task its index records ('Find the depth'), "
+        "not QUARRY_QUERY_TASK ('Other'); `quarry reindex` records the new one"
+    ]
 
     store = VectorStore(open_client(Settings(data_dir=tmp_path / "instr")), "test")
     try:

@@ -515,6 +515,17 @@ def test_reindex_refuses_a_min_ndcg_outside_0_to_1_before_building(
     assert "--min-ndcg must be between 0 and 1" in json.loads(result.stdout)["error"]["message"]
 
 
+def test_reindex_refuses_an_eval_split_without_eval(tmp_path: Path) -> None:
+    # Operator trial: --eval-split alone was ignored, and the reindex switched unevaluated.
+    result = run(
+        ["reindex", "--eval-split", "dev", "--force", "--json"],
+        {"QUARRY_DATA_DIR": str(tmp_path / "d")},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert json.loads(result.stdout)["error"]["message"] == "--eval-split needs --eval DATASET"
+
+
 def test_reindex_checks_the_eval_split_it_is_given(tmp_path: Path) -> None:
     beir = Path(__file__).parent / "data" / "beir_tiny"
     result = run(

@@ -27,6 +27,7 @@ from quarry.errors import (
 from quarry.ingest import IndexSync, run_sync
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from quarry.parity import accept, measure_parity
+from quarry.prompts import ProfileName
 from quarry.reindex import (
     BUILDING,
     COMPLETE,
@@ -199,6 +200,50 @@ def test_a_reindex_that_would_only_copy_the_live_collection_is_refused(
 
     rebuilt = reindex(index.store, headed)
     assert rebuilt.switched and rebuilt.previous == first.collection
+
+
+def test_a_new_query_task_is_recorded_by_a_reindex_and_named_by_queries(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    # Operator trial: with QUARRY_QUERY_TASK changed, queries kept the recorded task
+    # without a word, and `quarry reindex` refused as "would only copy it".
+    def tasked(task: str, profile: ProfileName = "qwen3") -> Callable[[VectorStore], IndexSync]:
+        def make(store: VectorStore) -> IndexSync:
+            client = EmbeddingClient(
+                old_model.url, retry=NO_WAIT, prompt_profile=profile, query_task=task
+            )
+            index.clients.append(client)
+            return IndexSync(store, client, Chunker(64, 8))
+
+        return make
+
+    run_sync(tasked("find old answers")(index.store), [open_source(index.corpus)])
+    with pytest.raises(Refused, match="same query task and chunk settings"):
+        reindex(index.store, tasked("find old answers"))
+    searcher = Searcher(index.store, tasked("find new answers")(index.store).embedder, None)
+    warned = searcher.search("granite", rerank=False).warnings
+    assert warned == [
+        "queries of 'kb' use the task its index records ('find old answers'), not "
+        "QUARRY_QUERY_TASK ('find new answers'); `quarry reindex` records the new one"
+    ]
+
+    report = reindex(index.store, tasked("find new answers"))
+    assert report.switched
+    recorded = index.store.fingerprint()
+    assert recorded is not None and recorded.query_task == "find new answers"
+    searcher = Searcher(index.store, tasked("find new answers")(index.store).embedder, None)
+    assert searcher.search("granite", rerank=False).warnings == []
+
+
+def test_a_query_task_change_means_nothing_to_a_model_whose_queries_take_none(
+    index: Index, old_model: LocalTEIServer
+) -> None:
+    index.ingest(old_model.url)  # profile "none": queries are embedded raw
+    other = EmbeddingClient(old_model.url, retry=NO_WAIT, query_task="another task")
+    index.clients.append(other)
+    with pytest.raises(Refused, match="would only copy"):
+        reindex(index.store, lambda store: IndexSync(store, other, Chunker(64, 8)))
+    assert Searcher(index.store, other, None).search("granite", rerank=False).warnings == []
 
 
 def test_a_service_that_embeds_otherwise_under_the_same_name_is_rebuilt_not_refused(
@@ -665,6 +710,7 @@ def test_reindex_refuses_to_lose_a_served_file_that_became_unreadable(
     message = str(caught.value)
     assert "corpus/topic3.md: binary file" in message and "new.md" not in message
     assert "was dropped" in message and f"still points at {served}" in message
+    assert not getattr(caught.value, "__notes__", [])  # said once, not again in a note
     assert index.store.alias_target() == served
     assert [info.name for info in index.store.collections()] == [served]
 

@@ -101,6 +101,7 @@ from quarry.search import (
     SearchFilter,
     is_blank_query,
     model_summary,
+    query_task_warning,
     rank_results,
     rerank_fallback_warning,
     rerank_texts,
@@ -1032,6 +1033,7 @@ class QueryService:
         self.reranker = reranker
         self._verified: Fingerprint | None = None
         self._refused: _Refusal | None = None
+        self._task_warning: str | None = None  # logged once per change
         self._judged_at = -math.inf  # time.monotonic() of the last verdict
         self._lock = asyncio.Lock()
         self._verifying = _QDRANT  # what the verify() under way (holding the lock) awaits
@@ -1248,6 +1250,14 @@ class QueryService:
             raise _refusal(error) from None
         if self._refused is not None:
             logger.info("quarry api: the embedding service matches the index again")
+        task_warning = (
+            query_task_warning(stored.fingerprint, live, self.store.alias)
+            if stored.fingerprint is not None
+            else None
+        )
+        if task_warning is not None and task_warning != self._task_warning:
+            logger.warning("quarry api: %s", task_warning)  # once per change, as refusals
+        self._task_warning = task_warning
         self._verified, self._refused = verified, None
         self._judged_at = time.monotonic()
         self._seen_down = False

@@ -782,6 +782,8 @@ def reindex(
         # nan would pass every gate (nothing compares below it), above 1 refuse every
         # build: either only after the whole collection was re-embedded.
         _fail(f"--min-ndcg must be between 0 and 1, not {min_ndcg}", EXIT_USAGE)
+    if eval_split != "test" and eval_dir is None:
+        _fail("--eval-split needs --eval DATASET", EXIT_USAGE)
     if (include or exclude or encoding) and not from_source:
         _fail("--include, --exclude and --encoding need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():

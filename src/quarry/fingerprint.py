@@ -25,6 +25,7 @@ from typing import Any
 
 from quarry.embeddings import EmbeddingClient, ServiceInfo
 from quarry.errors import CanaryMismatch, FingerprintMismatch, ServingChanged
+from quarry.prompts import PROFILES
 
 CANARY_TEXT = (
     "quarry canary v1: Granite quarries were cut in terraces; the water that filled "
@@ -153,6 +154,14 @@ def build_fingerprint(
         max_input_length=info.max_input_length,
     )
     return Fingerprint(model=model, serving=serving, canary=canary, query_task=query_task)
+
+
+def query_task_changed(recorded: Fingerprint, live: Fingerprint) -> bool:
+    """Whether ``live`` carries another query task than ``recorded``, for a model whose
+    queries take one (queries keep the recorded task; a reindex records the new one)."""
+    profile = PROFILES.get(recorded.model.profile)  # type: ignore[call-overload]
+    takes_task = profile.takes_task if profile is not None else True
+    return takes_task and recorded.query_task != live.query_task
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

@@ -22,6 +22,11 @@ class PromptProfile:
     query_template: str
     passage_template: str
 
+    @property
+    def takes_task(self) -> bool:
+        """Whether its queries carry a task instruction (QUARRY_QUERY_TASK)."""
+        return "{task}" in self.query_template
+
     def format_query(self, query: str, task: str) -> str:
         """The text to embed for a search query."""
         return self.query_template.format(task=task, query=query)

@@ -20,7 +20,7 @@ from qdrant_client import models
 from quarry.documents import Chunk, Document
 from quarry.embeddings import EmbeddedPart
 from quarry.errors import CanaryMismatch, MassDeleteRefused, Refused, StoreError
-from quarry.fingerprint import Fingerprint, cosine, read_fingerprint
+from quarry.fingerprint import Fingerprint, cosine, query_task_changed, read_fingerprint
 from quarry.ingest import (
     PROGRESS_SECONDS,
     Failure,
@@ -360,7 +360,8 @@ def reindex(
         # inspection; an evaluation that broke off refused nothing and is dropped.
         if not gate_refused:
             _drop_build(store, physical, error)
-            if isinstance(error, Exception) and "not switched" not in str(error):
+            # A refusal (Refused) says itself what became of the alias.
+            if isinstance(error, Exception) and not isinstance(error, Refused):
                 # A service that died mid-build, say: whoever reads the error wants this.
                 served_now = f"; it still serves {previous}" if previous else ""
                 error.add_note(
@@ -557,13 +558,17 @@ def _refuse_identical(
     min_canary_cosine: float,
 ) -> None:
     """Refuse a rebuild of the stored chunks that would copy ``previous`` as it is: the
-    same model served the same way, the same chunk settings. The copy would also push
-    the collection the alias served before out of what ``prune --keep 2`` keeps."""
+    same model served the same way, the same query task, the same chunk settings. The
+    copy would also push the collection the alias served before out of what
+    ``prune --keep 2`` keeps."""
     stored = store.fingerprint(previous)
     if (
         stored is None
         or stored.model_key != live.model_key
         or stored.serving != live.serving
+        # Queries take the task the index records: a reindex is how a new
+        # QUARRY_QUERY_TASK gets recorded.
+        or query_task_changed(stored, live)
         # The service says it is the same model but embeds otherwise (an image re-pulled
         # under the same tag): the rebuild is what the canary refusal asked for.
         or cosine(stored.canary, live.canary) < min_canary_cosine
@@ -572,7 +577,8 @@ def _refuse_identical(
         return
     raise Refused(
         f"{store.alias!r} is served by {previous}, built by {live.model.describe()} served "
-        "as it is now, with the same chunk settings: a reindex would only copy it. Pass "
+        "as it is now, with the same query task and chunk settings: a reindex would only "
+        "copy it. Pass "
         "--force to rebuild it all the same, or --from-source PATH to re-read the files "
         "(a deployment: -p force=true, -p 'from_source=[\"PATH\"]')"
     )

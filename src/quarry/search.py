@@ -18,7 +18,12 @@ from qdrant_client import models
 
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import FingerprintMismatch, InputTooLong, QueryTooLong, ServiceError
-from quarry.fingerprint import Fingerprint, check_compatible, read_fingerprint
+from quarry.fingerprint import (
+    Fingerprint,
+    check_compatible,
+    query_task_changed,
+    read_fingerprint,
+)
 from quarry.rerank import RerankClient
 from quarry.store import META_ACCEPTED_SERVING, VectorStore
 
@@ -261,6 +266,18 @@ def verify_fingerprint(
     return stored
 
 
+def query_task_warning(recorded: Fingerprint, live: Fingerprint, collection: str) -> str | None:
+    """What to tell whoever set QUARRY_QUERY_TASK when ``collection`` records another task
+    (queries keep the recorded one, which its index was evaluated with), else None."""
+    if not query_task_changed(recorded, live):
+        return None
+    return (
+        f"queries of {collection!r} use the task its index records "
+        f"({recorded.query_task!r}), not QUARRY_QUERY_TASK ({live.query_task!r}); "
+        "`quarry reindex` records the new one"
+    )
+
+
 class Searcher:
     """Answers queries against one collection."""
 
@@ -283,12 +300,15 @@ class Searcher:
         self.allow_serving_change = allow_serving_change
         self.canary_min_cosine = canary_min_cosine
         self._checked: Fingerprint | None = None
+        self._task_warning: str | None = None
 
     def check(self) -> Fingerprint:
         """Verify once that the live embedding service built this index; raise Refused if not."""
         if self._checked is None:
             stored = self.store.fingerprint()
             live = read_fingerprint(self.embedder)
+            if stored is not None:
+                self._task_warning = query_task_warning(stored, live, self.store.alias)
             self._checked = verify_fingerprint(
                 stored,
                 live,
@@ -332,7 +352,7 @@ class Searcher:
         hits = self.store.search(vector, max(candidates, top_k), query_filter)
         timings["search"] = _ms_since(started)
 
-        warnings: list[str] = []
+        warnings = [self._task_warning] if self._task_warning else []
         scores: list[float] | None = None
         outcome: RerankOutcome = "skipped"
         if rerank and self.reranker is not None and hits:
