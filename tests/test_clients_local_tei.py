@@ -214,3 +214,62 @@ def test_batches_fit_a_service_with_fewer_permits_than_its_batch_size() -> None:
             reranker.close()
         assert len(vectors) == 20 and len(scores) == 10
         assert tei.stats.responses.get(429, 0) == 0
+
+
+@pytest.fixture(scope="module")
+def truncating() -> Iterator[LocalTEIServer]:
+    """TEI's default since 1.9 (``--auto-truncate``): /v1/embeddings cuts, never refuses."""
+    with LocalTEIServer(LocalTEIConfig(**LIMITS, auto_truncate=True)) as server:
+        yield server
+
+
+def _model_tokens(client: EmbeddingClient, texts: list[str]) -> list[int]:
+    counted = client._http.post(  # the service's own tokenizer
+        f"{client.base_url}/tokenize", json={"inputs": texts, "add_special_tokens": True}
+    )
+    return [len(tokens) for tokens in counted.json()]
+
+
+@pytest.mark.parametrize("dialect", ["auto", "openai"])
+def test_a_service_that_would_truncate_gets_over_long_inputs_split_first(
+    truncating: LocalTEIServer, dialect: str
+) -> None:
+    # Review trial: against a stock TEI an ingest stored vectors of the first 32 tokens
+    # of a 94-token chunk, with no failure and no split. ``auto`` now asks /embed
+    # (``truncate: false``: refused, then split); ``openai``, set by hand, counts first.
+    # Words of ten letters (a token each), then dots (a token each): parts cut by
+    # their share of the characters are over the limit on the dotted side.
+    long_text = " ".join(f"word{i:06d}" for i in range(24)) + " " + "." * 60
+    with EmbeddingClient(
+        truncating.url,
+        retry=FAST_RETRY,
+        dialect=dialect,  # type: ignore[arg-type]
+    ) as client:
+        results = client.embed_passages(["short", long_text])
+        parts = results[1]
+        assert isinstance(parts, list) and len(parts) > 1
+        assert "".join(part.text for part in parts) == long_text
+        assert max(_model_tokens(client, [part.text for part in parts])) <= 32
+        assert client.dialect == ("tei" if dialect == "auto" else "openai")
+    embed_route = "/embed" if dialect == "auto" else "/v1/embeddings"
+    assert truncating.stats.requests.get(("POST", embed_route), 0) > 0
+
+
+def test_a_query_over_the_limit_of_a_truncating_service_is_refused_not_cut(
+    truncating: LocalTEIServer,
+) -> None:
+    import asyncio
+
+    from quarry._async_clients import AsyncEmbeddingClient
+    from quarry.errors import InputTooLong
+
+    async def embed() -> None:
+        client = AsyncEmbeddingClient(truncating.url, retry=FAST_RETRY)
+        try:
+            assert len(await client.embed_query("a short question")) == 16
+            with pytest.raises(InputTooLong, match="must have less than"):
+                await client.embed_query(" ".join(f"word{i}" for i in range(60)))
+        finally:
+            await client.aclose()
+
+    asyncio.run(embed())

@@ -45,6 +45,7 @@ from quarry.embeddings import (
     EmbedDialect,
     ServiceInfo,
     _decode_openai,
+    embed_dialect,
     vector_rows,
 )
 from quarry.errors import BadResponse, InputTooLong, RequestRejected, ServiceUnavailable
@@ -326,11 +327,6 @@ class AsyncEmbeddingClient:
         """The prompt profile in force (explicit setting, else from the model id)."""
         return profile_for_model((await self.info()).model_id, self._profile_override)
 
-    @property
-    def dialect(self) -> Literal["tei", "openai"]:
-        """``openai`` (``/v1/embeddings``, every TEI and gateway) unless set to ``tei``."""
-        return "tei" if self._dialect == "tei" else "openai"
-
     async def embed_query(
         self, query: str, *, task: str | None = None, retry: RetryPolicy | None = None
     ) -> list[float]:
@@ -360,9 +356,12 @@ class AsyncEmbeddingClient:
     async def _post(
         self, texts: list[str], policy: RetryPolicy, *, unit: bool = True
     ) -> list[list[float]]:
-        limit = (await self.info(retry=policy)).max_concurrent_requests
+        info = await self.info(retry=policy)
+        limit = info.max_concurrent_requests
         async with self._slots.hold(len(texts), limit, url=self.base_url, wait_s=policy.budget):
-            if self.dialect == "tei":
+            # As EmbeddingClient.dialect: a TEI that would cut an over-long query is asked
+            # on /embed, which refuses it (422, "too long": the client is told).
+            if embed_dialect(self._dialect, info) == "tei":
                 return await self._post_tei(texts, policy, unit)
             return await self._post_openai(texts, policy, unit)
 

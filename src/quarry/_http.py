@@ -290,8 +290,8 @@ def raise_for_status(
         raise TransientFailure(
             url, f"HTTP {status}: {message}", status=status, retry_after=retry_after
         )
-    if status == 422 and "must have less than" in message:
-        raise InputTooLong(url, f"HTTP 422: {message}", status=status, documents=documents)
+    if status in (413, 422) and "must have less than" in message:  # 413: TEI before 1.9
+        raise InputTooLong(url, f"HTTP {status}: {message}", status=status, documents=documents)
     if dialect_hint and (status in (404, 405) or (status == 422 and "missing field" in message)):
         raise DialectMismatch(
             url, f"HTTP {status}: {message}. {dialect_hint}", status=status, documents=documents

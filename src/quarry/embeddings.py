@@ -94,6 +94,9 @@ class ServiceInfo:
     max_batch_tokens: int | None = None
     max_client_batch_size: int | None = None
     max_concurrent_requests: int | None = None
+    # TEI's --auto-truncate (default true since 1.9): /v1/embeddings, which cannot ask
+    # otherwise, then cuts an over-long input to fit instead of refusing it.
+    auto_truncate: bool = False
     raw: dict[str, Any] = field(default_factory=dict)
 
     def inputs_per_request(self, default: int) -> int:
@@ -124,8 +127,17 @@ class ServiceInfo:
             max_batch_tokens=_int_or_none(info.get("max_batch_tokens")),
             max_client_batch_size=_int_or_none(info.get("max_client_batch_size")),
             max_concurrent_requests=_int_or_none(info.get("max_concurrent_requests")),
+            auto_truncate=info.get("auto_truncate") is True,
             raw=dict(info),
         )
+
+
+def embed_dialect(setting: EmbedDialect, info: ServiceInfo) -> Literal["tei", "openai"]:
+    """The route embeddings go by: QUARRY_EMBED_DIALECT, with ``auto`` resolved for
+    ``info``'s service (``openai``, unless the service would cut over-long input)."""
+    if setting == "tei" or (setting == "auto" and info.auto_truncate):
+        return "tei"
+    return "openai"
 
 
 def _int_or_none(value: object) -> int | None:
@@ -293,8 +305,16 @@ class EmbeddingClient:
 
     @property
     def dialect(self) -> Literal["tei", "openai"]:
-        """``openai`` (``/v1/embeddings``, every TEI and gateway) unless set to ``tei``."""
-        return "tei" if self._dialect == "tei" else "openai"
+        """``openai`` (``/v1/embeddings``, every TEI and gateway) unless set to ``tei``;
+        ``auto`` takes ``tei`` for a TEI run with ``--auto-truncate``, where only
+        ``/embed`` (``truncate: false``) refuses an over-long input instead of cutting it."""
+        return embed_dialect(self._dialect, self.info)
+
+    @property
+    def _service_truncates(self) -> bool:
+        """Whether an over-long input would be cut to fit, not refused with a 422
+        (QUARRY_EMBED_DIALECT=openai set against a TEI run with ``--auto-truncate``)."""
+        return self.dialect == "openai" and self.info.auto_truncate
 
     @property
     def batch_size(self) -> int:
@@ -434,10 +454,12 @@ class EmbeddingClient:
         (every token with its offsets) is heavier than the embeddings. When the service
         answers 422, one /tokenize call finds the over-long inputs and they are split
         where the count says, not by bisection. Once 422s are common for this corpus
-        (a model with a short limit), batches are counted before they are sent.
+        (a model with a short limit), batches are counted before they are sent; so are
+        all batches to a service that would cut an over-long input rather than refuse
+        it (``/v1/embeddings`` of a TEI run with ``--auto-truncate``).
         """
         with self._count_lock:
-            count_first = self._count_first
+            count_first = self._count_first or self._service_truncates
             if not count_first:
                 self._batches_sent += 1
         if count_first:
@@ -500,8 +522,20 @@ class EmbeddingClient:
         """Each input, or its parts when the service's tokenizer counts it over the limit.
 
         Only inputs that might be too long are sent to ``/tokenize``: one that fits by
-        its byte count alone is not.
+        its byte count alone is not. Parts are cut by an estimate; for a service that
+        would cut rather than refuse one still over, they are counted again.
         """
+        pieces = self._presplit_once(texts)
+        if not self._service_truncates:
+            return pieces
+        split = [i for i, parts in enumerate(pieces) if len(parts) > 1]
+        if split:
+            counted = iter(self._presplit([part for i in split for part in pieces[i]]))
+            for i in split:
+                pieces[i] = [piece for _ in pieces[i] for piece in next(counted)]
+        return pieces
+
+    def _presplit_once(self, texts: list[str]) -> list[list[str]]:
         limit = self.info.max_input_length
         pieces = [[text] for text in texts]
         if not limit or not self._can_tokenize:
