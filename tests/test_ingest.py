@@ -474,9 +474,14 @@ def test_a_changed_document_loses_its_stale_chunks_by_point_id(harness: Harness)
 def test_deleted_file_is_removed_on_full_sync_only(harness: Harness) -> None:
     harness.run()
     (harness.root / "notes/delta.md").unlink()
+    # Review trial: an emptied file kept its old chunks (searchable) under --no-full-sync,
+    # though syncing it alone removed them. A file still there is read whole either way.
+    (harness.root / "alpha.md").write_text("")
     kept = harness.run(full_sync=False)
-    assert kept.documents_deleted == 0
-    removed = harness.run()
+    assert kept.documents_deleted == 1
+    uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
+    assert "corpus/alpha.md" not in uris and "corpus/notes/delta.md" in uris
+    removed = harness.run(allow_mass_delete=True)  # 1 of the 3 files left: over 30%
     assert removed.documents_deleted == 1
     uris = {p["payload"]["uri"] for p in harness.points().values()}  # type: ignore[index]
     assert "corpus/notes/delta.md" not in uris

@@ -1149,19 +1149,24 @@ class IndexSync:
         failed_uris: set[str],
         *,
         allow_mass_delete: bool,
+        full_sync: bool = True,
     ) -> tuple[int, int]:
-        """Delete documents gone from a fully synced source; returns (documents, points).
+        """Delete documents gone from a synced source; returns (documents, points).
 
         A file that failed to load is not gone, nor is anything under a folder
-        that could not be listed: their documents are kept.
+        that could not be listed: their documents are kept. Without ``full_sync``,
+        only documents gone from files still there are (a file emptied, a PDF that
+        lost pages): a file no longer listed keeps its documents.
         """
         folders = tuple(uri for uri in failed_uris if uri.endswith("/"))
+        listed = plan.listing.still_there()[0] if plan.listing is not None else set()
         gone = [
             state
             for doc_id, state in plan.state.items()
             if doc_id not in seen
             and _file_uri(state.uri) not in failed_uris
             and not _file_uri(state.uri).startswith(folders)
+            and (full_sync or _file_uri(state.uri) in listed)
         ]
         self._guard_deletes(plan.spec, len(gone), len(plan.state), allow_mass_delete)
         self.store.delete_documents([state.doc_id for state in gone])
@@ -1753,8 +1758,7 @@ def run_sync(
             while in_flight:
                 collect_oldest()
             sync.flush_stamps()
-            if full_sync:
-                _clean(sync, plan, seen, failed_uris, report, allow_mass_delete)
+            _clean(sync, plan, seen, failed_uris, report, allow_mass_delete, full_sync)
     except BaseException:
         # Ctrl-C or a failure: the caller closes the clients next, under any batch
         # still running (tracebacks, and with a Qdrant server, writes after the
@@ -1780,11 +1784,12 @@ def _clean(
     failed_uris: set[str],
     report: IngestReport,
     allow_mass_delete: bool,
+    full_sync: bool,
 ) -> None:
     """Delete a source's documents that are gone, into ``report``."""
     try:
         deleted, points = sync.clean_source(
-            plan, seen, failed_uris, allow_mass_delete=allow_mass_delete
+            plan, seen, failed_uris, allow_mass_delete=allow_mass_delete, full_sync=full_sync
         )
     except MassDeleteRefused as refused:
         # Found only once the files were read (emptied ones, say): by then the new
