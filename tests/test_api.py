@@ -456,6 +456,14 @@ def test_local_mode_takes_at_most_a_hundred_doc_ids(app: TestClient) -> None:
     error = assert_error(response, 422, "invalid_request")
     assert "at most 100 ids with local-mode Qdrant, not 101" in error["message"]
     assert "QUARRY_QDRANT_URL" in error["message"]
+    # With details, as every other invalid_request 422 (review trial: it had none).
+    assert error["details"] == [
+        {
+            "loc": ["body", "filter", "doc_ids"],
+            "msg": "at most 100 ids with local-mode Qdrant",
+            "type": "too_long",
+        }
+    ]
     answered = query(app, {"query": "gamma", "filter": {"doc_ids": ids[:100]}})
     assert answered.status_code == 200, answered.text
 
@@ -665,6 +673,21 @@ def _blas_threads() -> set[int]:
     from threadpoolctl import threadpool_info
 
     return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+def test_an_embedded_local_tei_leaves_the_hosts_uvicorn_log_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # API trial: on the embedded default, `quarry api` never said where it listened:
+    # the local service's uvicorn set the shared "uvicorn.error" logger to WARNING.
+    caplog.set_level(logging.INFO, logger="uvicorn.error")
+    host = logging.getLogger("uvicorn.error")
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as embedded:
+        host.info("Uvicorn running on http://127.0.0.1:8000")
+        assert embedded.url
+    assert host.level == logging.INFO
+    said = [r.getMessage() for r in caplog.records if r.name == "uvicorn.error"]
+    assert said == ["Uvicorn running on http://127.0.0.1:8000"]  # not the embedded one's
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,8 @@ def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> Non
         (["chunk", "{file}", "--max-tokens", "16", "--overlap", "100"], {}, "--overlap"),
         (["chunk", "{file}"], {"QUARRY_CHUNK_TOKENS": "abc"}, "QUARRY_CHUNK_TOKENS:"),
         (["status"], {"QUARRY_EMBED_URL": "not a url"}, "QUARRY_EMBED_URL: 'not a url' is not"),
+        # Review trial: nan put every rerank score under it; every answer came back empty.
+        (["status"], {"QUARRY_RERANK_THRESHOLD": "nan"}, "QUARRY_RERANK_THRESHOLD:"),
         (["chunk", "{dir}"], {}, "is a directory"),
         (["query", "  "], {}, "the query is empty"),
         (["query", "\u200d"], {}, "the query is empty"),  # as the API's 422 says

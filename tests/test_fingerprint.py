@@ -5,7 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 
-from quarry.fingerprint import ModelIdentity
+import pytest
+
+from quarry.errors import FingerprintMismatch
+from quarry.fingerprint import (
+    Fingerprint,
+    ModelIdentity,
+    ServingIdentity,
+    check_compatible,
+)
 
 
 def test_the_model_key_is_the_hash_earlier_versions_stored() -> None:
@@ -39,3 +47,24 @@ def test_identities_that_differ_in_any_field_get_different_keys() -> None:
     ]
     keys = {base.key, *(v.key for v in variants)}
     assert len(keys) == len(variants) + 1
+
+
+def _fingerprint(model: ModelIdentity) -> Fingerprint:
+    serving = ServingIdentity("tei", "1.9.3", "float32", 512)
+    return Fingerprint(model=model, serving=serving, canary=[1.0, 0.0], query_task="t")
+
+
+def test_a_prompt_profile_changed_here_is_named_not_blamed_on_the_service() -> None:
+    # Review trial: QUARRY_PROMPT_PROFILE=qwen3 against an index built with "none" said
+    # the service now serves another model and to reindex, which would rebuild the
+    # index for a setting made by mistake.
+    built = _fingerprint(ModelIdentity("m", None, "mean", 384, True, "none"))
+    now = _fingerprint(ModelIdentity("m", None, "mean", 384, True, "qwen3"))
+    with pytest.raises(FingerprintMismatch) as refused:
+        check_compatible(built, now, collection="kb")
+    message = str(refused.value)
+    assert "built with prompt profile 'none', but 'qwen3' is in force now" in message
+    assert "Set QUARRY_PROMPT_PROFILE=none" in message
+    other = _fingerprint(ModelIdentity("m2", None, "mean", 384, True, "qwen3"))
+    with pytest.raises(FingerprintMismatch, match="the embedding service now serves m2"):
+        check_compatible(built, other, collection="kb")

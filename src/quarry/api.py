@@ -441,6 +441,7 @@ class ApiError(Exception):
         *,
         dependency: str | None = None,
         headers: Mapping[str, str] | None = None,
+        details: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -448,6 +449,7 @@ class ApiError(Exception):
         self.message = message
         self.dependency = dependency
         self.headers = dict(headers or {})
+        self.details = details  # pydantic's {"loc", "msg", "type"}, as other 422s have
 
 
 class _CoolingDown(ServiceUnavailable):
@@ -562,6 +564,7 @@ async def _on_api_error(request: Request, exc: Exception) -> Response:
         exc.message,
         _request_id(request),
         dependency=exc.dependency,
+        details=exc.details,
         headers=exc.headers,
     )
 
@@ -1296,12 +1299,13 @@ class QueryService:
         if ids and not self.settings.qdrant_url and len(ids) > LOCAL_MODE_MAX_DOC_IDS:
             # Local mode tests every point against every id, in Python, on the one
             # thread all queries share: 1,000 ids over 20,000 points held it for 3.4 s.
+            limit = f"at most {LOCAL_MODE_MAX_DOC_IDS} ids with local-mode Qdrant"
             raise ApiError(
                 422,
                 "invalid_request",
-                f"filter.doc_ids: at most {LOCAL_MODE_MAX_DOC_IDS} ids with local-mode "
-                f"Qdrant, not {len(ids)} (it compares each id with every point); a Qdrant "
-                "server (QUARRY_QDRANT_URL) takes up to 1000",
+                f"filter.doc_ids: {limit}, not {len(ids)} (it compares each id with every "
+                "point); a Qdrant server (QUARRY_QDRANT_URL) takes up to 1000",
+                details=[{"loc": ["body", "filter", "doc_ids"], "msg": limit, "type": "too_long"}],
             )
         query_text, truncated = self._fit_query(body.query, body.truncate)
         timings: dict[str, float] = {}

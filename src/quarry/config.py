@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     rerank_url: str | None = None
     rerank_api_key: SecretStr | None = None
     rerank_dialect: Literal["auto", "tei", "cohere"] = "auto"
-    rerank_threshold: float = 0.3
+    rerank_threshold: float = Field(0.3, allow_inf_nan=False)  # nan: every score under it
     rerank_required: bool = False
 
     # Qdrant. Unset: local mode under data_dir.

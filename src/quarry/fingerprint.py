@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -188,6 +188,16 @@ def check_compatible(
     engine, no accepted parity) or CanaryMismatch (the canary moved).
     """
     if stored.model_key != live.model_key:
+        if replace(stored.model, profile=live.model.profile) == live.model:
+            # The same model: a setting changed here, not the service.
+            raise FingerprintMismatch(
+                f"collection {collection!r} was built with prompt profile "
+                f"{stored.model.profile!r}, but {live.model.profile!r} is in force now for "
+                f"the same model, {live.model.model_id} (QUARRY_PROMPT_PROFILE, or the "
+                f"model's own when unset). Set QUARRY_PROMPT_PROFILE={stored.model.profile} "
+                "to query and ingest it as built; to move it to the new profile, run "
+                f"`quarry reindex --collection {collection}`."
+            )
         raise FingerprintMismatch(
             f"collection {collection!r} was built with {stored.model.describe()}, "
             f"but the embedding service now serves {live.model.describe()}. "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import sys
@@ -68,13 +69,31 @@ class _Uvicorn(uvicorn.Server):
             self.should_exit = True
 
 
+_THREAD_PREFIX = "local-tei-"
+
+
+class _QuietInHost(logging.Filter):
+    """Keeps an embedded service's INFO lines ("Uvicorn running on ...", its port) out of
+    the host's log: uvicorn logs every server's on one logger, "uvicorn.error", which
+    the host's own server (``quarry api``) shares."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not (record.threadName or "").startswith(
+            _THREAD_PREFIX
+        )
+
+
+_QUIET_IN_HOST = _QuietInHost()
+
+
 def _uvicorn_config(app: FastAPI, *, own_logging: bool) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         # In a host process (tests, the embedded default) uvicorn must not reconfigure
-        # logging; its records then go wherever the host sends them.
+        # logging, nor set the level of its loggers, which the host's own server shares
+        # (its "Uvicorn running on" line went missing); _QuietInHost quiets this one.
         log_config=uvicorn.config.LOGGING_CONFIG if own_logging else None,
-        log_level="warning",
+        log_level="warning" if own_logging else None,
         access_log=False,
         lifespan="on",
         # TEI (hyper) keeps idle connections open; a short idle timeout makes pooled
@@ -115,6 +134,7 @@ class LocalTEIServer:
         self._sock = sock
         ready = threading.Event()
         app = create_app(self.config, stats=self.stats)
+        logging.getLogger("uvicorn.error").addFilter(_QUIET_IN_HOST)  # once: a set
         server = _Uvicorn(_uvicorn_config(app, own_logging=False), ready.set)
         self._server = server
 
@@ -126,7 +146,7 @@ class LocalTEIServer:
             finally:
                 ready.set()
 
-        thread = threading.Thread(target=run, name=f"local-tei-{self.port}", daemon=True)
+        thread = threading.Thread(target=run, name=f"{_THREAD_PREFIX}{self.port}", daemon=True)
         self._thread = thread
         thread.start()
         if not ready.wait(_STARTUP_TIMEOUT_S) or not server.started:
