@@ -224,10 +224,15 @@ def truncating() -> Iterator[LocalTEIServer]:
 
 
 def _model_tokens(client: EmbeddingClient, texts: list[str]) -> list[int]:
-    counted = client._http.post(  # the service's own tokenizer
-        f"{client.base_url}/tokenize", json={"inputs": texts, "add_special_tokens": True}
-    )
-    return [len(tokens) for tokens in counted.json()]
+    """The service's own count of each text (one request each: its batch limit is 4)."""
+    counts = []
+    for text in texts:
+        counted = client._http.post(
+            f"{client.base_url}/tokenize", json={"inputs": [text], "add_special_tokens": True}
+        )
+        assert counted.status_code == 200, counted.text
+        counts.append(len(counted.json()[0]))
+    return counts
 
 
 @pytest.mark.parametrize("dialect", ["auto", "openai"])
@@ -253,6 +258,26 @@ def test_a_service_that_would_truncate_gets_over_long_inputs_split_first(
         assert client.dialect == ("tei" if dialect == "auto" else "openai")
     embed_route = "/embed" if dialect == "auto" else "/v1/embeddings"
     assert truncating.stats.requests.get(("POST", embed_route), 0) > 0
+
+
+def test_a_full_batch_split_for_a_truncating_service_keeps_counting() -> None:
+    # Review trial: the parts of a full batch, counted again in one /tokenize request,
+    # were over the service's batch limit; the 422 turned counting off for good, and
+    # every later over-long input was cut.
+    longs = [" ".join(f"w{k}x{i}" for i in range(40)) for k in range(4)]
+    later = " ".join(f"later{i}" for i in range(80))
+    config = LocalTEIConfig(**{**LIMITS, "max_batch_tokens": 1024}, auto_truncate=True)
+    with (
+        LocalTEIServer(config) as truncating,
+        EmbeddingClient(truncating.url, retry=FAST_RETRY, dialect="openai") as client,
+    ):
+        first = client.embed_passages(longs)
+        then = client.embed_passages([later])[0]
+        assert isinstance(then, list) and len(then) > 1
+        for text, result in zip([*longs, later], [*first, then], strict=True):
+            assert isinstance(result, list) and "".join(p.text for p in result) == text
+            assert max(_model_tokens(client, [p.text for p in result])) <= 32
+        assert truncating.stats.responses.get(422, 0) == 0
 
 
 def test_a_query_over_the_limit_of_a_truncating_service_is_refused_not_cut(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from quarry.fingerprint import (
     ModelIdentity,
     ServingIdentity,
     check_compatible,
+    query_task_changed,
 )
 
 
@@ -68,3 +70,16 @@ def test_a_prompt_profile_changed_here_is_named_not_blamed_on_the_service() -> N
     other = _fingerprint(ModelIdentity("m2", None, "mean", 384, True, "qwen3"))
     with pytest.raises(FingerprintMismatch, match="the embedding service now serves m2"):
         check_compatible(built, other, collection="kb")
+
+
+def test_an_index_that_recorded_no_task_is_queried_with_the_live_one() -> None:
+    # Review trial: it warned that queries used the recorded task (''), while they use
+    # the live one (search passes ``query_task or None``).
+    model = ModelIdentity("m", None, "mean", 384, True, "qwen3")
+    recorded, live = _fingerprint(model), _fingerprint(model)
+    assert not query_task_changed(replace(recorded, query_task=""), live)
+    assert query_task_changed(replace(recorded, query_task="other"), live)
+    plain = ModelIdentity("m", None, "mean", 384, True, "none")  # its queries take no task
+    assert not query_task_changed(
+        replace(_fingerprint(plain), query_task="other"), _fingerprint(plain)
+    )

@@ -375,6 +375,7 @@ class AsyncEmbeddingClient:
             "POST",
             url,
             json_body={"inputs": texts, "truncate": False, "normalize": True},
+            dialect_hint="This service has no TEI /embed route: set QUARRY_EMBED_DIALECT=openai.",
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings")

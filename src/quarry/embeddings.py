@@ -548,19 +548,26 @@ class EmbeddingClient:
         ]
         if not unsure:
             return pieces
-        try:
-            answer = request_json(
-                self._http,
-                self._retry,
-                "POST",
-                f"{self.base_url}/tokenize",
-                json_body={"inputs": [formatted[i] for i in unsure], "add_special_tokens": True},
-            )
-        except RequestRejected:
-            self._can_tokenize = False  # a gateway without TEI's /tokenize: split on 422 instead
-            return pieces
-        if not isinstance(answer, list) or len(answer) != len(unsure):
-            return pieces
+        answer: list[Any] = []
+        # As many inputs per request as an embedding request takes: a split's parts
+        # counted again outnumber the batch they came from.
+        for start in range(0, len(unsure), self.batch_size):
+            part = [formatted[i] for i in unsure[start : start + self.batch_size]]
+            try:
+                counted = request_json(
+                    self._http,
+                    self._retry,
+                    "POST",
+                    f"{self.base_url}/tokenize",
+                    json_body={"inputs": part, "add_special_tokens": True},
+                )
+            except RequestRejected as error:
+                if error.status in (404, 405):  # a gateway without TEI's /tokenize
+                    self._can_tokenize = False  # split on 422 instead
+                return pieces
+            if not isinstance(counted, list) or len(counted) != len(part):
+                return pieces
+            answer.extend(counted)
         # Aim a little under the limit: parts are cut by characters, counted by proportion.
         target = max(1, int(limit * 0.9))
         for i, tokens in zip(unsure, answer, strict=True):

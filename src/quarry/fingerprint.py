@@ -161,7 +161,8 @@ def query_task_changed(recorded: Fingerprint, live: Fingerprint) -> bool:
     queries take one (queries keep the recorded task; a reindex records the new one)."""
     profile = PROFILES.get(recorded.model.profile)  # type: ignore[call-overload]
     takes_task = profile.takes_task if profile is not None else True
-    return takes_task and recorded.query_task != live.query_task
+    # An index that recorded none is queried with the live task (the client's own).
+    return takes_task and (recorded.query_task or live.query_task) != live.query_task
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

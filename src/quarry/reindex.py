@@ -360,8 +360,10 @@ def reindex(
         # inspection; an evaluation that broke off refused nothing and is dropped.
         if not gate_refused:
             _drop_build(store, physical, error)
-            # A refusal (Refused) says itself what became of the alias.
-            if isinstance(error, Exception) and not isinstance(error, Refused):
+            said = str(error)
+            if isinstance(error, Exception) and not (
+                "not switched" in said or "was not created" in said
+            ):
                 # A service that died mid-build, say: whoever reads the error wants this.
                 served_now = f"; it still serves {previous}" if previous else ""
                 error.add_note(
@@ -457,7 +459,7 @@ def _build(
         shown = "; ".join(f"{f.uri}: {f.error}" for f in blocking[:5])
         more = f"; and {len(blocking) - 5} more" if len(blocking) > 5 else ""
         kept = (
-            f"the alias still points at {previous}"
+            f"the alias was not switched: it still points at {previous}"
             if previous is not None
             else f"the alias {store.alias!r} was not created"
         )
