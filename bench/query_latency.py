@@ -375,6 +375,8 @@ class _Connection:
 
 def child_load(args: argparse.Namespace) -> None:
     """POST /v1/query round trips, over keep-alive connections."""
+    # The processes the round trips' CPU is charged to.
+    charged = {"load": os.getpid(), "server": args.server_pid, "tei": args.tei_pid}
 
     def parse(status: int, timing: str, text: str) -> tuple[bool, float | None, float | None]:
         if status != 200:
@@ -403,9 +405,7 @@ def child_load(args: argparse.Namespace) -> None:
                 idle.append(connection)
             return parse(status, answer_headers.get("server-timing", ""), answer.decode())
 
-        return await run_levels(
-            one, load_queries(), args, load=os.getpid(), server=args.server_pid, tei=args.tei_pid
-        )
+        return await run_levels(one, load_queries(), args, **charged)
 
     async def with_httpx2() -> dict[str, Any]:
         import httpx2
@@ -423,14 +423,7 @@ def child_load(args: argparse.Namespace) -> None:
                 timing = response.headers.get("server-timing", "")
                 return parse(response.status_code, timing, response.text)
 
-            return await run_levels(
-                one,
-                load_queries(),
-                args,
-                load=os.getpid(),
-                server=args.server_pid,
-                tei=args.tei_pid,
-            )
+            return await run_levels(one, load_queries(), args, **charged)
 
     main = with_httpx2 if args.client == "httpx2" else with_streams
     Path(args.out).write_text(json.dumps(run_loop(main())))

@@ -42,6 +42,7 @@ from quarry._http import (
 from quarry.config import DEFAULT_QUERY_TASK, Settings, make_data_folder
 from quarry.embeddings import (
     DEFAULT_BATCH_SIZE,
+    EMBED_ROUTE_HINT,
     EmbedDialect,
     ServiceInfo,
     _decode_openai,
@@ -375,7 +376,7 @@ class AsyncEmbeddingClient:
             "POST",
             url,
             json_body={"inputs": texts, "truncate": False, "normalize": True},
-            dialect_hint="This service has no TEI /embed route: set QUARRY_EMBED_DIALECT=openai.",
+            dialect_hint=EMBED_ROUTE_HINT,
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings")

@@ -1253,11 +1253,7 @@ class QueryService:
             raise _refusal(error) from None
         if self._refused is not None:
             logger.info("quarry api: the embedding service matches the index again")
-        task_warning = (
-            query_task_warning(stored.fingerprint, live, self.store.alias)
-            if stored.fingerprint is not None
-            else None
-        )
+        task_warning = query_task_warning(stored.fingerprint, live, self.store.alias)
         if task_warning is not None and task_warning != self._task_warning:
             logger.warning("quarry api: %s", task_warning)  # once per change, as refusals
         self._task_warning = task_warning

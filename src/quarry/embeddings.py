@@ -132,6 +132,10 @@ class ServiceInfo:
         )
 
 
+EMBED_ROUTE_HINT = "This service has no TEI /embed route: set QUARRY_EMBED_DIALECT=openai."
+"""Said with a 404 or 405 from ``/embed``: the service speaks only the OpenAI dialect."""
+
+
 def embed_dialect(setting: EmbedDialect, info: ServiceInfo) -> Literal["tei", "openai"]:
     """The route embeddings go by: QUARRY_EMBED_DIALECT, with ``auto`` resolved for
     ``info``'s service (``openai``, unless the service would cut over-long input)."""
@@ -669,7 +673,7 @@ class EmbeddingClient:
             url,
             json_body={"inputs": texts, "truncate": False, "normalize": True},
             documents=documents,
-            dialect_hint="This service has no TEI /embed route: set QUARRY_EMBED_DIALECT=openai.",
+            dialect_hint=EMBED_ROUTE_HINT,
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)

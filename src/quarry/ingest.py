@@ -1159,7 +1159,9 @@ class IndexSync:
         lost pages): a file no longer listed keeps its documents.
         """
         folders = tuple(uri for uri in failed_uris if uri.endswith("/"))
-        listed = plan.listing.still_there()[0] if plan.listing is not None else set()
+        listed = set()
+        if not full_sync and plan.listing is not None:
+            listed = plan.listing.still_there()[0]
         gone = [
             state
             for doc_id, state in plan.state.items()

@@ -266,10 +266,13 @@ def verify_fingerprint(
     return stored
 
 
-def query_task_warning(recorded: Fingerprint, live: Fingerprint, collection: str) -> str | None:
+def query_task_warning(
+    recorded: Fingerprint | None, live: Fingerprint, collection: str
+) -> str | None:
     """What to tell whoever set QUARRY_QUERY_TASK when ``collection`` records another task
-    (queries keep the recorded one, which its index was evaluated with), else None."""
-    if not query_task_changed(recorded, live):
+    (queries keep the recorded one, which its index was evaluated with), else None (also
+    for a collection that records no fingerprint: it is queried with the live one)."""
+    if recorded is None or not query_task_changed(recorded, live):
         return None
     return (
         f"queries of {collection!r} use the task its index records "
@@ -307,8 +310,7 @@ class Searcher:
         if self._checked is None:
             stored = self.store.fingerprint()
             live = read_fingerprint(self.embedder)
-            if stored is not None:
-                self._task_warning = query_task_warning(stored, live, self.store.alias)
+            self._task_warning = query_task_warning(stored, live, self.store.alias)
             self._checked = verify_fingerprint(
                 stored,
                 live,

@@ -134,7 +134,7 @@ class LocalTEIServer:
         self._sock = sock
         ready = threading.Event()
         app = create_app(self.config, stats=self.stats)
-        logging.getLogger("uvicorn.error").addFilter(_QUIET_IN_HOST)  # once: a set
+        logging.getLogger("uvicorn.error").addFilter(_QUIET_IN_HOST)  # kept once: not re-added
         server = _Uvicorn(_uvicorn_config(app, own_logging=False), ready.set)
         self._server = server
 
