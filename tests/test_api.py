@@ -316,14 +316,18 @@ def test_query_is_formatted_with_the_recorded_profile_and_task(
     recorded = {"prompt_profile": "e5-instruct", "query_task": "Find the depth"}
     _build_collection(tmp_path / "instr", corpus, tei.url, **recorded)
     app = make_app(data=tmp_path / "instr", prompt_profile="e5-instruct", query_task="Other")
-    hit = query(app, {"query": "how deep", "rerank": False}).json()["results"][0]
+    answer = query(app, {"query": "how deep", "rerank": False}).json()
+    hit = answer["results"][0]
     assert query(app, {"query": "how deep", "rerank": False}).status_code == 200
     assert app.get("/readyz").status_code == 200  # judges the fingerprints again
     said = [r.getMessage() for r in caplog.records if "QUARRY_QUERY_TASK" in r.getMessage()]
-    assert said == [
-        "quarry api: queries of 'test' use the task its index records ('Find the depth'), "
+    warning = (
+        "queries of 'test' use the task its index records ('Find the depth'), "
         "not QUARRY_QUERY_TASK ('Other'); `quarry reindex` records the new one"
-    ]
+    )
+    assert said == [f"quarry api: {warning}"]
+    # Each answer says so too, as `quarry query` does (review: only the log did).
+    assert answer["warnings"] == [warning]
 
     store = VectorStore(open_client(Settings(data_dir=tmp_path / "instr")), "test")
     try:
@@ -1953,9 +1957,10 @@ def test_a_burst_queued_on_a_busy_embedding_service_does_not_mark_it_down(
 
 
 class _InfoHangsAfterStartup:
-    """A loopback proxy to a real TEI whose GET /info hangs after its first answer."""
+    """A loopback proxy to a real TEI whose GET /info hangs after its first answer
+    (or, with ``delay_s``, answers that much later)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, delay_s: float | None = None) -> None:
         import http.server
         import threading
         import urllib.request
@@ -1976,8 +1981,9 @@ class _InfoHangsAfterStartup:
                 if self.command == "GET" and self.path == "/info":
                     infos[0] += 1
                     if infos[0] > 1:
-                        release.wait(30)
-                        return
+                        released = release.wait(30 if delay_s is None else delay_s)
+                        if delay_s is None or released:
+                            return
                 content_type = self.headers.get("Content-Type", "application/json")
                 request = urllib.request.Request(
                     upstream + self.path,
@@ -2035,3 +2041,44 @@ def test_a_query_waiting_on_the_recheck_is_not_blamed_on_qdrant(
         assert error["dependency"] != "qdrant", error
     finally:
         proxy.close()
+
+
+def test_readyz_gives_a_slow_info_the_time_it_promises(
+    make_app: AppFactory, tei: LocalTEIServer
+) -> None:
+    # Review: a probe's single attempt read /info for 1 s, not READY_TIMEOUT_S (5 s),
+    # so a replica answering every query was taken out of its load balancer.
+    proxy = _InfoHangsAfterStartup(tei.url, delay_s=1.5)
+    try:
+        app = make_app(embed_url=proxy.url)
+        ready = app.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["checks"]["embedding"]["ok"] is True
+    finally:
+        proxy.close()
+
+
+def test_a_background_recheck_logs_under_no_requests_id(
+    make_app: AppFactory, tei: LocalTEIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Review: the recheck a query started copied that query's request id into its own
+    # failure's log lines, long after the query had been answered.
+    caplog.set_level(logging.WARNING, logger="quarry.api")
+    proxy = _InfoHangsAfterStartup(tei.url)
+    try:
+        app = make_app(embed_url=proxy.url, query_timeout=0.5, fingerprint_recheck_seconds=1.0)
+        # The verdict is due for its recheck (not yet two old, which the query would
+        # judge itself): this query starts it in the background.
+        time.sleep(1.3)
+        answered = query(app, {"query": "gamma rays", "rerank": False})
+        assert answered.status_code == 200, answered.text
+        request_id = answered.headers["X-Request-ID"]
+        deadline = time.monotonic() + 10
+        while not any("fingerprint recheck" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the recheck never failed"
+            time.sleep(0.05)
+    finally:
+        proxy.close()
+    recheck = [r.getMessage() for r in caplog.records if "request_id=" in r.getMessage()]
+    assert recheck, caplog.text  # the failure is logged with a request id field ...
+    assert not any(request_id in line for line in recheck), recheck  # ... not the query's

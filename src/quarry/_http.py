@@ -105,6 +105,9 @@ class RetryPolicy:
     retry_timeouts: bool = True
     # What sets ``budget``, as the retry warning names it for whoever would change it.
     budget_source: str = "QUARRY_RETRY_BUDGET"
+    # The most one ``/info`` attempt waits; None: INFO_TIMEOUT_S capped at the budget
+    # (but at least a second). A probe that tries once and has its own deadline sets it.
+    info_timeout_s: float | None = None
     # Told of each failed attempt, those about to be retried and the last (the query API
     # and the ingest note a service that was down even when a retry then reached it).
     on_retry: Callable[[BaseException | None], None] | None = field(
@@ -205,9 +208,11 @@ INFO_TIMEOUT_S = 5.0
 
 
 def info_timeout(client_timeout: httpx2.Timeout, policy: RetryPolicy) -> httpx2.Timeout:
-    """The timeout of one ``/info`` attempt: the client's, capped at INFO_TIMEOUT_S and
-    at the retry budget (but at least a second)."""
-    limit = min(INFO_TIMEOUT_S, max(1.0, policy.budget))
+    """The timeout of one ``/info`` attempt: the client's, capped at the policy's
+    ``info_timeout_s``, else at INFO_TIMEOUT_S and the retry budget (but at least a second)."""
+    limit = policy.info_timeout_s
+    if limit is None:
+        limit = min(INFO_TIMEOUT_S, max(1.0, policy.budget))
     read = client_timeout.read
     return httpx2.Timeout(limit if read is None else min(read, limit))
 

@@ -46,7 +46,7 @@ from contextlib import (
     contextmanager,
     nullcontext,
 )
-from contextvars import ContextVar
+from contextvars import Context, ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -137,8 +137,12 @@ READY_TIMEOUT_S = 5.0
 READY_OPTIONAL_TIMEOUT_S = 1.0
 """How long ``/readyz`` waits for a reranker that readiness does not count (not
 QUARRY_RERANK_REQUIRED): a hung one must not make the probe itself time out."""
-_PROBE = RetryPolicy(budget=0.0, initial=0.0, maximum=0.0, jitter=0.0)
-"""One attempt, no retry: for readiness probes, which must answer fast."""
+_PROBE = RetryPolicy(
+    budget=0.0, initial=0.0, maximum=0.0, jitter=0.0, info_timeout_s=READY_TIMEOUT_S
+)
+"""One attempt, no retry: for readiness probes and rechecks, which must answer fast, but
+give a slow ``/info`` the READY_TIMEOUT_S that ``/readyz`` promises (their callers' own
+deadlines cap it)."""
 RERANK_COOLDOWN_S = 10.0
 """How long queries answer from vector scores without asking a reranker that failed."""
 QUERY_RERANK_RETRY_S = 2.0
@@ -1069,7 +1073,11 @@ class QueryService:
         verified = self._verified
         if verified is not None and not self._must_rejudge():
             if self._stale() and self._recheck is None:
-                self._recheck = asyncio.create_task(self._recheck_in_background())
+                # A context of its own: the request that happens to start it is not the one
+                # its log lines are about.
+                self._recheck = asyncio.create_task(
+                    self._recheck_in_background(), context=Context()
+                )
             return verified
         if self._seen_down and self._lock.locked():
             # Another request is judging the model anew after the embedding service
@@ -1353,7 +1361,7 @@ class QueryService:
             await self._judge_again(fingerprint)
         truncated = truncated or cut
 
-        warnings: list[str] = []
+        warnings = [self._task_warning] if self._task_warning else []
         headers: dict[str, str] = {}
         scores: list[float] | None = None
         outcome: RerankOutcome = "skipped"
