@@ -361,6 +361,22 @@ def test_a_query_too_long_for_the_model_is_a_usage_error(
     assert "Traceback" not in answered.stderr
 
 
+def test_a_query_too_long_for_the_reranker_alone_is_a_usage_error_not_a_fallback(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    # As the API's 422: an optional reranker does not hide the question's fault.
+    env = ingested(tmp_path, tei.url, prefect_api, {"a.md": "alpha beta gamma"})
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16, max_input_length=24)) as short:
+        answered = run(["query", "alpha " * 40], {**env, "QUARRY_RERANK_URL": short.url})
+        without = run(
+            ["query", "alpha " * 40, "--no-rerank"], {**env, "QUARRY_RERANK_URL": short.url}
+        )
+    assert answered.returncode == 2, answered.stderr
+    assert "over the reranker's input limit" in answered.stderr
+    assert "Traceback" not in answered.stderr
+    assert without.returncode == 0, without.stderr
+
+
 def test_a_passage_too_long_for_a_required_reranker_is_not_blamed_on_the_query(
     tmp_path: Path, tei: LocalTEIServer, prefect_api: str
 ) -> None:

@@ -167,7 +167,7 @@ def query_too_long(error: InputTooLong) -> QueryTooLong:
     return QueryTooLong(
         error.url,
         "the query alone is over the reranker's input limit (max_input_length); "
-        "shorten it, or search without rerank",
+        "shorten it, or search without rerank (--no-rerank)",
         status=error.status,
     )
 

@@ -362,6 +362,8 @@ class Searcher:
             try:
                 scores = self.reranker.score(query, rerank_texts(hits))
                 outcome = "reranked"
+            except QueryTooLong:
+                raise  # the question's fault, as the API's 422: no fallback hides it
             except ServiceError as error:
                 if self.rerank_required:
                     raise
