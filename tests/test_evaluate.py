@@ -7,6 +7,7 @@ The end-to-end runs use local_tei's deterministic hash backend on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -444,3 +445,51 @@ def test_rerank_refusal_of_one_query_is_not_an_outage(
     assert rows["q1"]["ndcg@10"] == rows["q1"]["vector"]["ndcg@10"]
     [warning] = [w for w in result["warnings"] if "refused" in w]
     assert "q1" in warning and "q2" not in warning
+
+
+def test_an_eval_collection_of_vectors_the_live_service_no_longer_makes_is_rebuilt(
+    settings: Settings, tei: LocalTEIServer
+) -> None:
+    """Operator trial: a tag re-pulled behind the same /info embeds otherwise; with every
+    document current, eval scored the new model's queries against the old one's vectors."""
+    import httpx2
+
+    from quarry.embeddings import EmbeddingClient
+    from quarry.services import open_services
+
+    honest = run_evaluation(TINY, settings=settings, rerank=False)
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+        upstream = httpx2.Client()
+
+        def info_from_one_vectors_from_other(request: httpx2.Request) -> httpx2.Response:
+            target = tei.url if request.url.path == "/info" else other.url
+            answer = upstream.request(
+                request.method,
+                target + request.url.path,
+                content=request.content,
+                headers={"content-type": request.headers.get("content-type", "")},
+            )
+            return httpx2.Response(answer.status_code, content=answer.content)
+
+        transport = httpx2.MockTransport(info_from_one_vectors_from_other)
+        try:
+            with open_services(settings, quiet=True) as services:
+                swapped = EmbeddingClient(tei.url, transport=transport)
+                services = dataclasses.replace(services, embedder=swapped)
+                mixed = run_evaluation(TINY, settings=settings, rerank=False, services=services)
+                swapped.close()
+        finally:
+            upstream.close()
+        # The same vectors, from the service that makes them, in a data dir of its own.
+        alone = settings.model_copy(
+            update={"data_dir": settings.data_dir.parent / "alone", "embed_url": other.url}
+        )
+        truth = run_evaluation(TINY, settings=alone, rerank=False)
+    assert mixed["collection"] == honest["collection"]  # the same identity: the same name
+    assert mixed["ingest"]["documents_embedded"] == 8  # rebuilt, not reused
+    assert any("embeds the canary text differently" in w for w in mixed["warnings"])
+    # The figures are those of the vectors the live service makes, every one its own.
+    assert mixed["ndcg@10"] == pytest.approx(truth["ndcg@10"])
+    again = run_evaluation(TINY, settings=settings, rerank=False)  # the first service back
+    assert again["ingest"]["documents_embedded"] == 8
+    assert again["ndcg@10"] == pytest.approx(honest["ndcg@10"])

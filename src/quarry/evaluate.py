@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from quarry.embeddings import EmbeddingClient
+    from quarry.fingerprint import Fingerprint
     from quarry.ingest import IndexSync, IngestReport
     from quarry.rerank import RerankClient
     from quarry.services import Services
@@ -448,6 +449,23 @@ def collection_name(
     return f"eval-{slug}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+def _canary_moved(store: VectorStore, live: Fingerprint, min_cosine: float) -> float | None:
+    """The canary's cosine when the eval collection ``store`` holds vectors of a service
+    that embeds differently than ``live`` (a tag re-pulled behind the same ``/info``);
+    None when it is the live service's or does not exist yet.
+
+    Its name covers the model and serving identity, not the vectors: without this, a
+    run with every document current would score new query vectors against old ones.
+    """
+    from quarry.fingerprint import cosine
+
+    stored = store.fingerprint() if store.exists() else None
+    if stored is None:
+        return None
+    similarity = cosine(stored.canary, live.canary)
+    return similarity if similarity < min_cosine else None
+
+
 def _documents(dataset: BeirDataset) -> Iterator[Document]:
     """The corpus as quarry documents, uri ``<dataset>/<corpus id>``; empty entries left out."""
     for entry in dataset.iter_corpus():
@@ -704,6 +722,7 @@ def _run(
         embed_headings=settings.embed_headings,
     )
     store = VectorStore(services.store.client, name)
+    moved = _canary_moved(store, live, settings.canary_min_cosine)
     run = _Run(
         dataset=dataset,
         store=store,
@@ -713,6 +732,13 @@ def _run(
         rerank_depth=rerank_depth,
         progress=progress,
     )
+    if moved is not None:
+        store.discard()
+        run.warnings.append(
+            f"{name!r} was built by a service that embeds the canary text differently "
+            f"(cosine {moved:.5f} < {settings.canary_min_cosine}) under the same model "
+            "identity: rebuilt with the live service, so the figures are its own"
+        )
     if dataset.skipped_queries:
         run.warnings.append(
             f"{dataset.skipped_queries} judged queries have no text in queries.jsonl: skipped"

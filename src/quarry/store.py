@@ -558,6 +558,13 @@ class VectorStore:
             raise StoreError(self.alias, f"{physical} is what the alias serves; not deleting it")
         self.client.delete_collection(physical)
 
+    def discard(self) -> None:
+        """Delete the collection the alias serves, and the alias with it: for a derived
+        collection (an evaluation's) to be built again from its source."""
+        physical = self.alias_target()
+        if physical is not None:
+            self.client.delete_collection(physical)  # Qdrant drops its aliases with it
+
     def refuse_a_collection_name(self) -> None:
         """ConfigError when the alias's name is a physical collection's, not an alias's
         (a build that ``quarry collections`` lists, given as ``--collection``)."""
