@@ -9,10 +9,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flows.ingest import INGEST_PROGRESS, _progress_reporter
+from quarry.errors import ConfigError, SourceError
 from quarry.ingest import IngestProgress
 from quarry.local_tei import LocalTEIConfig, LocalTEIServer
 from tests.conftest import write_corpus
@@ -225,8 +227,43 @@ def test_reindex_flow_gates_on_an_evaluation_in_local_mode(
     passed = reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=0.0, force=True)
     assert passed["switched"] is True
     assert passed["evaluation"]["dataset"] == "beir_tiny"
+    assert passed["evaluation"]["ndcg@10"] < 1.0
     with pytest.raises(Refused, match="below --min-ndcg"):
-        reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.01, force=True)
+        reindex_flow(collection="gated", eval_dataset=str(tiny), min_ndcg=1.0, force=True)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "error", "says"),
+    [
+        ({"min_ndcg": 0.5}, ConfigError, "min_ndcg needs eval_dataset"),
+        ({"eval_dataset": "TINY", "min_ndcg": 60.0}, ConfigError, "between 0 and 1"),
+        ({"eval_dataset": "typo", "min_ndcg": 0.5}, SourceError, "typo"),
+        ({"exclude": ["*.md"]}, ConfigError, "need from_source"),
+    ],
+)
+def test_reindex_flow_refuses_parameters_before_it_builds(
+    tmp_path: Path,
+    tei: LocalTEIServer,
+    monkeypatch: pytest.MonkeyPatch,
+    parameters: dict[str, Any],
+    error: type[Exception],
+    says: str,
+) -> None:
+    # Operator trial: a deployment run ignored min_ndcg without a dataset, and found a
+    # mistyped dataset only after it had re-embedded the whole collection.
+    from flows.reindex import reindex_flow
+
+    monkeypatch.setenv("QUARRY_EMBED_URL", tei.url)
+    monkeypatch.setenv("QUARRY_DATA_DIR", str(tmp_path / "data"))
+    tiny = Path(__file__).parent / "data" / "beir_tiny"
+    if parameters.get("eval_dataset") == "TINY":
+        parameters = {**parameters, "eval_dataset": str(tiny)}
+    elif "eval_dataset" in parameters:
+        parameters = {**parameters, "eval_dataset": str(tmp_path / parameters["eval_dataset"])}
+    with pytest.raises(error, match=says):
+        reindex_flow(collection="nothing-yet", **parameters)
+    # Refused before anything: not even the data dir's Qdrant was opened.
+    assert not (tmp_path / "data" / "qdrant").exists()
 
 
 def test_embedded_prefect_runs_flows_without_heartbeats_a_server_keeps_them() -> None:
