@@ -638,6 +638,26 @@ def test_prune_with_the_prefect_api_down_says_so_not_that_a_writer_runs(tmp_path
     assert "http://127.0.0.1:9/api" in message and "quarry-ingest-slotted" in message
 
 
+def test_prune_without_a_prefect_server_uses_the_writers_embedded_prefect(
+    tmp_path: Path,
+) -> None:
+    # Operator trial: prune and rollback started their Prefect in ~/.prefect, where no
+    # writer's concurrency limit is, instead of the data dir's, as ingest and reindex.
+    home, data = tmp_path / "home", tmp_path / "d"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QUARRY_", "PREFECT_"))}
+    env.update({"HOME": str(home), "QUARRY_DATA_DIR": str(data)})
+    env["QUARRY_QDRANT_URL"] = "http://127.0.0.1:9"  # nothing listens: prune fails there
+    result = subprocess.run(
+        [*QUARRY, "prune", "--json"], capture_output=True, text=True, env=env, timeout=180
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Qdrant at http://127.0.0.1:9" in json.loads(result.stdout)["error"]["message"]
+    assert (data / "prefect").is_dir()
+    assert not (home / ".prefect").exists()
+    assert "Traceback" not in result.stderr
+
+
 def test_a_data_dir_that_cannot_be_a_folder_is_a_usage_error_naming_it(
     tmp_path: Path, tei: LocalTEIServer
 ) -> None:

@@ -858,6 +858,10 @@ def rollback(
     """
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
+        from flows import configure_prefect_environment
+
+        # The writers' Prefect (and so their concurrency limit), not ~/.prefect's.
+        configure_prefect_environment(settings.data_dir)
         from flows.ingest import one_writer
         from quarry.reindex import rollback as roll_back
         from quarry.store import VectorStore, open_client
@@ -900,6 +904,10 @@ def prune(
     """
     settings = _settings(collection=collection)
     with _errors_to_exit_codes():
+        from flows import configure_prefect_environment
+
+        # The writers' Prefect (and so their concurrency limit), not ~/.prefect's.
+        configure_prefect_environment(settings.data_dir)
         from flows.ingest import one_writer
         from quarry.reindex import prune as prune_collections
         from quarry.store import VectorStore, open_client
