@@ -353,6 +353,13 @@ def reindex(
                 target.update_metadata({META_BUILD: REFUSED})
                 raise
         target.update_metadata({META_PREVIOUS: previous, META_BUILD: COMPLETE})
+        # Read before the switch, which is the last step: a Ctrl-C after it finds a
+        # reindex done, with as little as possible left to say so.
+        leftovers = [
+            info.name
+            for info in store.collections()
+            if info.metadata.get(META_BUILD) == BUILDING and info.name != physical
+        ]
         store.point_alias(physical)
     except BaseException as error:
         # A build that is refused or broke off is of no use: nothing switches to it,
@@ -373,11 +380,6 @@ def reindex(
         raise
     report.switched = True
     progress(f"alias {store.alias} -> {physical}")
-    leftovers = [
-        info.name
-        for info in store.collections()
-        if info.metadata.get(META_BUILD) == BUILDING and info.name != physical
-    ]
     if leftovers:  # one writer at a time: no other reindex is building them
         report.notes.append(
             f"{len(leftovers)} unfinished build(s) of earlier reindexes that were killed "
