@@ -676,6 +676,22 @@ def test_a_declared_utf16_encoding_reads_cjk_text_that_has_nul_bytes(tmp_path: P
     assert (doc.text, doc.metadata["encoding"]) == (text, "utf_16_le")
 
 
+@pytest.mark.parametrize("encoding", ["UTF-16", "utf-16-le", "UTF-32"])
+@pytest.mark.parametrize("text", ["# Title\n\nHello world. This is a doc.\n", "Grüße, ça va?\n"])
+def test_a_declared_utf16_encoding_leaves_the_sources_utf8_files_utf8(
+    tmp_path: Path, encoding: str, text: str
+) -> None:
+    # Nightly trial: --encoding utf-16 on a mixed folder read every UTF-8 file of even
+    # length as UTF-16 nonsense (and those of odd length failed), replacing good vectors.
+    (tmp_path / "a.md").write_text(text, encoding="utf-8")
+    (tmp_path / "wide.txt").write_bytes(text.encode(encoding.lower().replace("-", "_")))
+    source = open_source(tmp_path, encoding=encoding)
+    [doc] = load_document(tmp_path / "a.md", source)
+    assert doc.text.strip() == text.strip() and "encoding" not in doc.metadata
+    [wide] = load_document(tmp_path / "wide.txt", source)
+    assert wide.text.lstrip("\ufeff") == text
+
+
 @pytest.mark.parametrize("name", ["undefined", "unicode_escape", "idna", "klingon", "rot13"])
 def test_an_encoding_that_is_no_character_set_is_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=r"not a text encoding|unknown encoding"):

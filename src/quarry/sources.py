@@ -892,7 +892,12 @@ def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[
                 continue
             if "\x1b" not in text and "\x00" not in text:
                 return text, encoding
-    if declared is not None and declared.startswith(("utf_16", "utf_32")) and not wide_bom:
+    # A file of the source in UTF-16 or -32 has NUL bytes (the high bytes of ASCII, of
+    # spaces and newlines) or is not UTF-8; one without any that reads as UTF-8 is
+    # UTF-8, as the source's other files: read as UTF-16 it would be CJK-looking nonsense.
+    wide_declared = declared is not None and declared.startswith(("utf_16", "utf_32"))
+    if wide_declared and not wide_bom and (b"\x00" in data or not _decodes(data, "utf-8")):
+        assert declared is not None
         return _decode_declared(data, uri, declared)
     if not wide_bom and b"\x00" in data:
         wide = _bomless_utf16(data)
