@@ -798,6 +798,29 @@ def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
         load_document(root / "leak.md", spec)
 
 
+def test_a_symlink_out_of_its_folder_given_by_name_is_reported_as_a_walk_reports_it(
+    tmp_path: Path,
+) -> None:
+    # Nightly trial: `quarry ingest root/*.md` indexed the link's target as a source
+    # of its own ('outside'), which a walk of root/ refuses to follow.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.md").write_text("# Secret\n\nDo not index.\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "real.md").write_text("# Real\n")
+    (root / "leak.md").symlink_to(outside / "secret.md")
+    (root / "inside.md").symlink_to(root / "real.md")
+    leak = open_source(root / "leak.md")
+    assert leak.name == "root"
+    docs, failures = documents(leak)
+    assert docs == [] and [f.uri for f in failures] == ["root/leak.md"]
+    assert "outside the source root" in failures[0].error
+    # A link within its folder is the file it leads to, as before.
+    inside = open_source(root / "inside.md")
+    assert [d.uri for d in documents(inside)[0]] == ["root/real.md"]
+
+
 def test_broken_symlink_is_reported(tmp_path: Path) -> None:
     (tmp_path / "gone.md").symlink_to(tmp_path / "missing.md")
     [failure] = list(iter_documents(open_source(tmp_path)))

@@ -417,6 +417,10 @@ def _open_source(
         )
     if folder:
         return SourceSpec(given, tuple(include), tuple(exclude))
+    if given.is_symlink() and not _inside(resolved, given.parent.resolve()):
+        # A link out of its folder, given by name (a shell glob of the folder picks it):
+        # reported as the folder's walk reports it, not indexed as a source of its own.
+        return file_source(given.parent.resolve(), given.name)
     return file_source(resolved.parent, resolved.name)
 
 
