@@ -64,6 +64,7 @@ from quarry.sources import (
     list_source,
     refuse_overlapping_sources,
     subfolder_source,
+    without_files_taken_in,
 )
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
@@ -1668,6 +1669,7 @@ def run_sync(
             resolved.append(spec)
     specs = resolved
     refuse_overlapping_sources(specs)  # again: a part may share its folder's name with another
+    specs = without_files_taken_in(specs)  # `docs docs/a.md`: a.md synced, and counted, once
     refuse_unknown_missing_files(sync.store, specs)
     sync.prepare(report)
     for note in report.notes:
@@ -1724,9 +1726,20 @@ def run_sync(
                 del unwritten[uri]
         tell()
 
+    # Mass deletes refused, each of one source: the other sources are synced all the
+    # same (one source's missing mount must not hold back the rest of a nightly run),
+    # and the run is refused at the end, saying what it did.
+    refused: dict[str, MassDeleteRefused] = {}
     try:
         for spec in specs:
-            plan = sync.plan_source(spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete)
+            try:
+                plan = sync.plan_source(
+                    spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete
+                )
+            except MassDeleteRefused as refusal:
+                refused[spec.name] = refusal
+                log.warning("%s", refusal)
+                continue
             files.found += len(plan.listing.found) if plan.listing is not None else 1
             tell()
             if spec.file is None and plan.listing is not None and not plan.listing.found:
@@ -1760,7 +1773,10 @@ def run_sync(
             while in_flight:
                 collect_oldest()
             sync.flush_stamps()
-            _clean(sync, plan, seen, failed_uris, report, allow_mass_delete, full_sync)
+            left = _clean(sync, plan, seen, failed_uris, report, allow_mass_delete, full_sync)
+            if left is not None:
+                refused[spec.name] = left
+                log.warning("%s", left)
     except BaseException:
         # Ctrl-C or a failure: the caller closes the clients next, under any batch
         # still running (tracebacks, and with a Qdrant server, writes after the
@@ -1769,14 +1785,44 @@ def run_sync(
         raise
     # Where each folder synced whole lives, so that a later sync of a part is known.
     sync.store.record_sources(
-        {s.name: source_record(s) for s in specs if s.file is None and s.within is None}
+        {
+            s.name: source_record(s)
+            for s in specs
+            if s.file is None and s.within is None and s.name not in refused
+        }
     )
     sync.finish(report)
     # Exact at the end: a long document that failed part way had its written windows
     # counted while under way, and is not in the report's chunks.
     told_chunks = report.chunks_embedded
     tell()
+    if refused:
+        raise _refused_run(refused, report, [s.name for s in specs if s.name not in refused])
     return report
+
+
+def _refused_run(
+    refused: Mapping[str, MassDeleteRefused], report: IngestReport, synced: Sequence[str]
+) -> MassDeleteRefused:
+    """The one refusal of a run whose sources ``refused`` were (partly) left alone: each
+    source's reason, then what the run wrote all the same."""
+    said = " ".join(str(refusal) for refusal in refused.values())
+    done = []
+    if report.documents_embedded:
+        done.append(
+            f"the {report.documents_embedded} new or changed documents this run embedded "
+            "are written"
+        )
+    if report.documents_deleted:
+        done.append(f"{report.documents_deleted} documents of files gone were deleted")
+    if synced:
+        others = ", ".join(repr(name) for name in dict.fromkeys(synced))
+        said += f" The other sources ({others}) were synced"
+        said += f": {', '.join(done)}." if done else " (nothing to change)."
+    elif done:
+        written = "; ".join(done)
+        said += f" {written[0].upper()}{written[1:]}."
+    return MassDeleteRefused(said)
 
 
 def _clean(
@@ -1787,29 +1833,19 @@ def _clean(
     report: IngestReport,
     allow_mass_delete: bool,
     full_sync: bool,
-) -> None:
-    """Delete a source's documents that are gone, into ``report``."""
+) -> MassDeleteRefused | None:
+    """Delete a source's documents that are gone, into ``report``; or return the refusal
+    of a mass delete, found once the files were read (emptied ones, say): by then its
+    new and changed documents were written, and they stay."""
     try:
         deleted, points = sync.clean_source(
             plan, seen, failed_uris, allow_mass_delete=allow_mass_delete, full_sync=full_sync
         )
     except MassDeleteRefused as refused:
-        # Found only once the files were read (emptied ones, say): by then the new
-        # and changed documents were written, and they stay.
-        if not report.documents_embedded:
-            raise
-        earlier = (
-            f" ({report.documents_deleted} documents of the sources before it were)"
-            if report.documents_deleted
-            else ""
-        )
-        raise MassDeleteRefused(
-            f"{refused} Nothing was deleted from source {plan.spec.name!r}{earlier}; the "
-            f"{report.documents_embedded} new or changed documents this run embedded "
-            "are written."
-        ) from None
+        return MassDeleteRefused(f"{refused} Nothing was deleted from source {plan.spec.name!r}.")
     report.documents_deleted += deleted
     report.chunks_deleted += points
+    return None
 
 
 # Said of a file that failed to load and was indexed before: a query still finds it.

@@ -473,6 +473,20 @@ def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
                 )
 
 
+def without_files_taken_in(specs: Sequence[SourceSpec]) -> list[SourceSpec]:
+    """``specs`` without the one-file sources that a folder source among them walks to
+    anyway (``docs docs/a.md``): the file would be synced, and counted, twice."""
+    return [
+        spec
+        for spec in specs
+        if spec.file is None
+        or not any(
+            outer.file is None and outer.root == spec.root and _takes_in(outer, spec.path, spec)
+            for outer in specs
+        )
+    ]
+
+
 def _takes_in(outer: SourceSpec, path: Path, inner: SourceSpec) -> bool:
     """Whether a walk of the folder source ``outer`` reaches ``path``, the file or folder
     of the source ``inner``: inside its root, not excluded, and picked by its globs."""
