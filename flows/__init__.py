@@ -178,6 +178,7 @@ def _stop_on_signals(
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _STOPPING.append(stop)
     try:
         yield
     except KeyboardInterrupt:
@@ -188,8 +189,27 @@ def _stop_on_signals(
             raise SystemExit(128 + received[0]) from None
         raise
     finally:
+        _STOPPING.remove(stop)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# The handler _stop_on_signals installed, while it is in force (innermost last).
+_STOPPING: list[Callable[[int, FrameType | None], None]] = []
+
+
+def take_back_sigterm() -> None:
+    """In a flow run under an embedded Prefect, make SIGTERM quarry's again (a no-op
+    elsewhere); call it first thing in a flow's body.
+
+    Prefect's flow engine puts its own handler in for the run: it reports a crash to
+    the server, then passes the signal on. Sent to the whole process group (systemd's
+    default KillMode, ``kill -TERM -PGID``), SIGTERM stops the embedded server too,
+    and that report was retried against it for minutes before the command exited 1,
+    with no JSON on stdout. Ctrl-C (SIGINT) already stops at once, unreported.
+    """
+    if _STOPPING and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _STOPPING[-1])
 
 
 def _flush_prefect_logs() -> None:

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows import quiet_quarry_tracebacks
+from flows import quiet_quarry_tracebacks, take_back_sigterm
 from quarry.chunking import Chunker
 from quarry.config import Settings, get_settings
 from quarry.documents import Document
@@ -242,6 +242,7 @@ def ingest_flow(
         The ingest summary (``IngestReport.to_dict()``).
     """
     quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
+    take_back_sigterm()
     logger = get_run_logger()
     settings = get_settings(collection=collection)
     started = time.monotonic()

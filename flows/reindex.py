@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows import quiet_quarry_tracebacks
+from flows import quiet_quarry_tracebacks, take_back_sigterm
 from flows.ingest import one_writer, source_specs
 from quarry.chunking import Chunker
 from quarry.config import get_settings
@@ -86,6 +86,7 @@ def reindex_flow(
         The reindex report (``ReindexReport.to_dict()``).
     """
     quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
+    take_back_sigterm()
     logger = get_run_logger()
     _refuse_bad_parameters(
         eval_dataset, min_ndcg, eval_split, bool(from_source), include, exclude, encoding
