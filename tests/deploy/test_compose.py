@@ -355,9 +355,19 @@ def test_tei_model_port_and_fail_closed_flags(
     flags = command_flags(service["command"])
 
     assert flags.get("--model-id") == model
-    # Fail closed: TEI >= 1.9 truncates by default, so it must be turned off explicitly.
-    assert flags.get("--auto-truncate") == "false"
-    assert flags.get("--max-batch-tokens") == "32768"
+    if name == "tei-embed-cpu":
+        # CPU warm-up holds a max-length input's whole attention matrix: 32768 tokens
+        # would take 64 GiB a copy, so the input is capped, which TEI allows only with
+        # auto-truncate on; quarry's /embed requests say `truncate: false` instead.
+        assert flags.get("--auto-truncate") == "true"
+        assert flags.get("--max-batch-tokens") == "8192"
+    else:
+        # Fail closed: TEI >= 1.9 truncates by default, so it must be turned off.
+        assert flags.get("--auto-truncate") == "false"
+        assert flags.get("--max-batch-tokens") == "32768"
+    # TEI 1.9.3 logs its arguments, the API key among them, at INFO on start.
+    log_level = environment(service).get("LOG_LEVEL", "")
+    assert "text_embeddings_router=warn" in log_level.split(","), name
     # quarry formats queries itself: no server-side default prompt of any kind.
     assert "--default-prompt" not in flags and "--default-prompt-name" not in flags
     env = environment(service)
@@ -406,7 +416,11 @@ def test_gpu_services_reserve_an_nvidia_gpu(services: dict[str, dict[str, Any]])
 def test_cpu_profile_mirrors_the_gpu_services(services: dict[str, dict[str, Any]]) -> None:
     for role, (gpu, cpu, _, _) in TEI_ROLES.items():
         assert services[cpu]["profiles"] == ["cpu"]
-        assert services[cpu]["command"] == services[gpu]["command"], "same model and flags"
+        capped = {"--auto-truncate", "--max-batch-tokens"} if role == "tei-embed" else set()
+        same = {k: v for k, v in command_flags(services[gpu]["command"]).items() if k not in capped}
+        assert {
+            k: v for k, v in command_flags(services[cpu]["command"]).items() if k not in capped
+        } == same, "same model and flags (the CPU embedder caps its input)"
         # The CPU service answers to the GPU service's name, so quarry's URLs do not change.
         assert role in backend_names(cpu, services[cpu])
 
@@ -491,6 +505,8 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
     flags = command_flags(worker[3:])
     assert flags.get("--pool") == "quarry"
     assert flags.get("--type") == "process"
+    # Each run reinstalls quarry into the worker's environment: one run at a time.
+    assert flags.get("--limit") == "1"
 
 
 @pytest.mark.parametrize("app", APP_SERVICES)
