@@ -690,6 +690,11 @@ def test_a_declared_utf16_encoding_leaves_the_sources_utf8_files_utf8(
     assert doc.text.strip() == text.strip() and "encoding" not in doc.metadata
     [wide] = load_document(tmp_path / "wide.txt", source)
     assert wide.text.lstrip("\ufeff") == text
+    # Review: a legacy file of the folder (even length, no NUL) still read as UTF-16.
+    legacy = "Résumé: café, naïve, déjà vu.\n"
+    (tmp_path / "legacy.txt").write_bytes(legacy.encode("cp1252"))
+    [old] = load_document(tmp_path / "legacy.txt", source)
+    assert old.text == legacy
 
 
 @pytest.mark.parametrize("name", ["undefined", "unicode_escape", "idna", "klingon", "rot13"])

@@ -357,7 +357,7 @@ class QueryResponse(BaseModel):
     model: ModelRef
     reranked: bool = Field(
         description="False when rerank was off, no candidate matched (nothing to rerank; "
-        "`warnings` is empty), or the reranker was down (a warning says so)."
+        "no warning about it), or the reranker was down (a warning says so)."
     )
     truncated: bool = Field(description="True when the query was cut to fit (`truncate`).")
     warnings: list[str]

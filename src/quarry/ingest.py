@@ -64,7 +64,7 @@ from quarry.sources import (
     list_source,
     refuse_overlapping_sources,
     subfolder_source,
-    without_files_taken_in,
+    without_parts_taken_in,
 )
 from quarry.store import META_ACCEPTED_SERVING, META_CHUNKING, DocState, VectorStore
 
@@ -464,7 +464,7 @@ class IndexSync:
                 len(files),
                 allow_mass_delete,
                 unit="files",
-                outcome=f"{moved} Nothing of source {spec.name!r} was read, embedded or deleted.",
+                outcome=f"{moved} Nothing of {_scope(spec)} was read, embedded or deleted.",
             )
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
@@ -1669,7 +1669,7 @@ def run_sync(
             resolved.append(spec)
     specs = resolved
     refuse_overlapping_sources(specs)  # again: a part may share its folder's name with another
-    specs = without_files_taken_in(specs)  # `docs docs/a.md`: a.md synced, and counted, once
+    specs = without_parts_taken_in(specs)  # `docs docs/a.md`: a.md synced, and counted, once
     refuse_unknown_missing_files(sync.store, specs)
     sync.prepare(report)
     for note in report.notes:
@@ -1729,7 +1729,7 @@ def run_sync(
     # Mass deletes refused, each of one source: the other sources are synced all the
     # same (one source's missing mount must not hold back the rest of a nightly run),
     # and the run is refused at the end, saying what it did.
-    refused: dict[str, MassDeleteRefused] = {}
+    refused: list[tuple[SourceSpec, MassDeleteRefused]] = []
     try:
         for spec in specs:
             try:
@@ -1737,7 +1737,7 @@ def run_sync(
                     spec, full_sync=full_sync, allow_mass_delete=allow_mass_delete
                 )
             except MassDeleteRefused as refusal:
-                refused[spec.name] = refusal
+                refused.append((spec, refusal))
                 log.warning("%s", refusal)
                 continue
             files.found += len(plan.listing.found) if plan.listing is not None else 1
@@ -1775,7 +1775,7 @@ def run_sync(
             sync.flush_stamps()
             left = _clean(sync, plan, seen, failed_uris, report, allow_mass_delete, full_sync)
             if left is not None:
-                refused[spec.name] = left
+                refused.append((spec, left))
                 log.warning("%s", left)
     except BaseException:
         # Ctrl-C or a failure: the caller closes the clients next, under any batch
@@ -1784,11 +1784,12 @@ def run_sync(
         _wind_down(sync, [future for future, _ in in_flight], log)
         raise
     # Where each folder synced whole lives, so that a later sync of a part is known.
+    left_alone = [spec for spec, _ in refused]
     sync.store.record_sources(
         {
             s.name: source_record(s)
             for s in specs
-            if s.file is None and s.within is None and s.name not in refused
+            if s.file is None and s.within is None and s not in left_alone
         }
     )
     sync.finish(report)
@@ -1797,31 +1798,37 @@ def run_sync(
     told_chunks = report.chunks_embedded
     tell()
     if refused:
-        raise _refused_run(refused, report, [s.name for s in specs if s.name not in refused])
+        raise _refused_run(
+            [refusal for _, refusal in refused], report, [s for s in specs if s not in left_alone]
+        )
     return report
 
 
 def _refused_run(
-    refused: Mapping[str, MassDeleteRefused], report: IngestReport, synced: Sequence[str]
+    refusals: Sequence[MassDeleteRefused], report: IngestReport, synced: Sequence[SourceSpec]
 ) -> MassDeleteRefused:
-    """The one refusal of a run whose sources ``refused`` were (partly) left alone: each
-    source's reason, then what the run wrote all the same."""
-    said = " ".join(str(refusal) for refusal in refused.values())
-    done = []
-    if report.documents_embedded:
-        done.append(
-            f"the {report.documents_embedded} new or changed documents this run embedded "
-            "are written"
-        )
-    if report.documents_deleted:
-        done.append(f"{report.documents_deleted} documents of files gone were deleted")
+    """The one refusal of a run that left (part of) some of its sources alone: each
+    one's reason, the sources it synced all the same, and what the run did."""
+    said = " ".join(str(refusal) for refusal in refusals)
     if synced:
-        others = ", ".join(repr(name) for name in dict.fromkeys(synced))
-        said += f" The other sources ({others}) were synced"
-        said += f": {', '.join(done)}." if done else " (nothing to change)."
-    elif done:
-        written = "; ".join(done)
-        said += f" {written[0].upper()}{written[1:]}."
+        names = dict.fromkeys(
+            repr((spec.uri_prefix + (spec.within or spec.file or "")).rstrip("/"))
+            for spec in synced
+        )
+        said += f" Synced all the same: {', '.join(names)}."
+    done = [
+        f"{count} {what}"
+        for count, what in (
+            (report.documents_embedded, "new or changed documents embedded and written"),
+            (report.documents_deleted, "documents of files gone deleted"),
+            (report.documents_failed, "documents failed"),
+        )
+        if count
+    ]
+    said += f" This run: {', '.join(done)}." if done else " This run changed nothing."
+    if report.failures:
+        first = report.failures[0]
+        said += f" First failure: {first.uri}: {first.error}"
     return MassDeleteRefused(said)
 
 
@@ -1842,7 +1849,7 @@ def _clean(
             plan, seen, failed_uris, allow_mass_delete=allow_mass_delete, full_sync=full_sync
         )
     except MassDeleteRefused as refused:
-        return MassDeleteRefused(f"{refused} Nothing was deleted from source {plan.spec.name!r}.")
+        return MassDeleteRefused(f"{refused} Nothing was deleted from {_scope(plan.spec)}.")
     report.documents_deleted += deleted
     report.chunks_deleted += points
     return None

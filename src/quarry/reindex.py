@@ -10,6 +10,7 @@ kept for :func:`rollback` until pruned.
 from __future__ import annotations
 
 import collections
+import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from quarry.store import (
     DocState,
     VectorStore,
 )
+
+logger = logging.getLogger(__name__)
 
 META_PREVIOUS = "quarry_previous"
 # A reindex's build says how far it got: BUILDING from its creation, so one whose
@@ -355,11 +358,7 @@ def reindex(
         target.update_metadata({META_PREVIOUS: previous, META_BUILD: COMPLETE})
         # Read before the switch, which is the last step: a Ctrl-C after it finds a
         # reindex done, with as little as possible left to say so.
-        leftovers = [
-            info.name
-            for info in store.collections()
-            if info.metadata.get(META_BUILD) == BUILDING and info.name != physical
-        ]
+        leftovers = _unfinished_builds(store, physical)
         store.point_alias(physical)
     except BaseException as error:
         # A build that is refused or broke off is of no use: nothing switches to it,
@@ -387,6 +386,20 @@ def reindex(
             "first"
         )
     return report
+
+
+def _unfinished_builds(store: VectorStore, physical: str) -> list[str]:
+    """The alias's builds other than ``physical`` still marked under way (their reindex
+    was killed), for a note; best effort: a complete build is not dropped for it."""
+    try:
+        return [
+            name
+            for name in store.physical_names()
+            if name != physical and store.metadata(name).get(META_BUILD) == BUILDING
+        ]
+    except Exception as error:  # a note, not a reason to lose the build
+        logger.warning("could not look for unfinished builds of %s: %s", store.alias, error)
+        return []
 
 
 def _build(

@@ -473,18 +473,28 @@ def refuse_overlapping_sources(specs: Sequence[SourceSpec]) -> None:
                 )
 
 
-def without_files_taken_in(specs: Sequence[SourceSpec]) -> list[SourceSpec]:
-    """``specs`` without the one-file sources that a folder source among them walks to
-    anyway (``docs docs/a.md``): the file would be synced, and counted, twice."""
-    return [
-        spec
-        for spec in specs
-        if spec.file is None
-        or not any(
-            outer.file is None and outer.root == spec.root and _takes_in(outer, spec.path, spec)
+def without_parts_taken_in(specs: Sequence[SourceSpec]) -> list[SourceSpec]:
+    """``specs`` without the files and subfolders of a folder source among them that its
+    walk reaches anyway (``docs docs/a.md``, ``docs docs/sub`` once ``docs`` is indexed):
+    they would be synced, and counted, twice. A subfolder part with globs of its own
+    is kept."""
+
+    def taken_in(spec: SourceSpec) -> bool:
+        if spec.file is None and spec.within is None:
+            return False
+        return any(
+            outer.file is None
+            and outer.within is None
+            and outer.root == spec.root
+            and (
+                spec.file is not None
+                or (outer.include, outer.exclude) == (spec.include, spec.exclude)
+            )
+            and _takes_in(outer, spec.path, spec)
             for outer in specs
         )
-    ]
+
+    return [spec for spec in specs if not taken_in(spec)]
 
 
 def _takes_in(outer: SourceSpec, path: Path, inner: SourceSpec) -> bool:
@@ -911,10 +921,10 @@ def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[
             if "\x1b" not in text and "\x00" not in text:
                 return text, encoding
     # A file of the source in UTF-16 or -32 has NUL bytes (the high bytes of ASCII, of
-    # spaces and newlines) or is not UTF-8; one without any that reads as UTF-8 is
-    # UTF-8, as the source's other files: read as UTF-16 it would be CJK-looking nonsense.
+    # spaces and newlines); one without any is read as the source's other files are
+    # (UTF-8, or detected): read as UTF-16 it would be CJK-looking nonsense.
     wide_declared = declared is not None and declared.startswith(("utf_16", "utf_32"))
-    if wide_declared and not wide_bom and (b"\x00" in data or not _decodes(data, "utf-8")):
+    if wide_declared and not wide_bom and b"\x00" in data:
         assert declared is not None
         return _decode_declared(data, uri, declared)
     if not wide_bom and b"\x00" in data:
@@ -933,7 +943,7 @@ def decode_text(data: bytes, uri: str, *, declared: str | None = None) -> tuple[
         repaired = _mostly_utf8(data)
         if repaired is not None:
             return repaired
-    if declared is not None and not wide_bom:
+    if declared is not None and not wide_bom and not wide_declared:
         return _decode_declared(data, uri, declared)
     from charset_normalizer import from_bytes
 

@@ -533,24 +533,34 @@ class VectorStore:
         alias ``team__archive`` is another alias's, not ``team``'s), and any the
         alias points at.
         """
+        names, aliases = self._own_collections()
+        found = [
+            CollectionInfo(
+                name=name,
+                aliases=tuple(aliases.get(name, [])),
+                points=self.client.count(name, exact=True).count,
+                metadata=self.metadata(name),
+            )
+            for name in names
+        ]
+        return sorted(found, key=lambda info: info.name.rsplit("__", 1)[-1], reverse=True)
+
+    def physical_names(self) -> list[str]:
+        """The names :meth:`collections` lists, without counting their points."""
+        return self._own_collections()[0]
+
+    def _own_collections(self) -> tuple[list[str], dict[str, list[str]]]:
+        """This alias's physical collection names, and every collection's aliases."""
         own = re.compile(re.escape(self.alias) + r"__[0-9a-f]+__\d{14}")
         aliases: dict[str, list[str]] = {}
         for alias in self.client.get_aliases().aliases:
             aliases.setdefault(alias.collection_name, []).append(alias.alias_name)
-        found: list[CollectionInfo] = []
-        for description in self.client.get_collections().collections:
-            name = description.name
-            if not own.fullmatch(name) and self.alias not in aliases.get(name, []):
-                continue
-            found.append(
-                CollectionInfo(
-                    name=name,
-                    aliases=tuple(aliases.get(name, [])),
-                    points=self.client.count(name, exact=True).count,
-                    metadata=self.metadata(name),
-                )
-            )
-        return sorted(found, key=lambda info: info.name.rsplit("__", 1)[-1], reverse=True)
+        names = [
+            description.name
+            for description in self.client.get_collections().collections
+            if own.fullmatch(description.name) or self.alias in aliases.get(description.name, [])
+        ]
+        return names, aliases
 
     def drop(self, physical: str) -> None:
         """Delete a physical collection; never the one the alias points at."""
