@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -375,6 +376,32 @@ def test_a_query_too_long_for_the_reranker_alone_is_a_usage_error_not_a_fallback
     assert "over the reranker's input limit" in answered.stderr
     assert "Traceback" not in answered.stderr
     assert without.returncode == 0, without.stderr
+
+
+def test_a_dead_optional_reranker_is_waited_on_for_a_restart_not_the_whole_budget(
+    tmp_path: Path, tei: LocalTEIServer, prefect_api: str
+) -> None:
+    # API trial: `quarry query` waited out QUARRY_RETRY_BUDGET (30 s) on a reranker
+    # nothing listened for, then answered from vector scores; the API waits 2 s.
+    env = ingested(tmp_path, tei.url, prefect_api, {"a.md": "alpha beta gamma"})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    answered = run(["query", "alpha", "--json"], {**env, "QUARRY_RERANK_URL": dead})
+    assert answered.returncode == 0, answered.stderr
+    [warning] = json.loads(answered.stdout)["warnings"]
+    assert warning.startswith("rerank failed") and "(retry budget 5s)" in warning
+    assert "cap for a reranker not required" in answered.stderr
+    required = run(
+        ["query", "alpha", "--json"],
+        {
+            **env,
+            "QUARRY_RERANK_URL": dead,
+            "QUARRY_RERANK_REQUIRED": "1",
+            "QUARRY_RETRY_BUDGET": "2",
+        },
+    )
+    assert required.returncode == 1 and "(retry budget 2s)" in required.stdout
 
 
 def test_a_passage_too_long_for_a_required_reranker_is_not_blamed_on_the_query(

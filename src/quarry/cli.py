@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 EXIT_INCOMPLETE = 4  # ingest --fail-on-failures: done, but some documents failed
+QUERY_RERANK_RETRY_S = 5.0
+"""The most `quarry query` waits on a failing reranker it can answer without."""
+_RERANK_CAP = "quarry query's cap for a reranker not required (QUARRY_RERANK_REQUIRED)"
 
 app = typer.Typer(
     name="quarry",
@@ -448,7 +451,10 @@ def query(
         from quarry.search import Searcher
         from quarry.services import open_services
 
-        with open_services(settings) as services:
+        # A reranker the answer can do without is not waited on for the whole
+        # QUARRY_RETRY_BUDGET (30 s), only long enough for a restart.
+        cap = None if settings.rerank_required else (QUERY_RERANK_RETRY_S, _RERANK_CAP)
+        with open_services(settings, rerank_retry_cap=cap) as services:
             searcher = Searcher(
                 services.store,
                 services.embedder,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypedDict
 
 from quarry._async_clients import AsyncEmbeddingClient, AsyncRerankClient
@@ -125,9 +125,16 @@ def embedding_client(settings: Settings, url: str) -> EmbeddingClient:
     )
 
 
-def rerank_client(settings: Settings, url: str) -> RerankClient:
-    """A rerank client for ``url``: its own key, else the embedding service's."""
-    return RerankClient(url.rstrip("/"), **_rerank_options(settings))
+def rerank_client(
+    settings: Settings, url: str, *, retry_cap: tuple[float, str] | None = None
+) -> RerankClient:
+    """A rerank client for ``url``: its own key, else the embedding service's. With
+    ``retry_cap`` (seconds, what sets it), its retries stop at that budget."""
+    options = _rerank_options(settings)
+    if retry_cap is not None and options["retry"].budget > retry_cap[0]:
+        seconds, source = retry_cap
+        options["retry"] = replace(options["retry"], budget=seconds, budget_source=source)
+    return RerankClient(url.rstrip("/"), **options)
 
 
 def async_embedding_client(settings: Settings, url: str) -> AsyncEmbeddingClient:
@@ -141,14 +148,17 @@ def async_rerank_client(settings: Settings, url: str) -> AsyncRerankClient:
 
 
 @contextmanager
-def open_services(settings: Settings, *, quiet: bool = False) -> Iterator[Services]:
-    """Clients for the embedding service, the reranker and Qdrant, closed on exit."""
+def open_services(
+    settings: Settings, *, quiet: bool = False, rerank_retry_cap: tuple[float, str] | None = None
+) -> Iterator[Services]:
+    """Clients for the embedding service, the reranker and Qdrant, closed on exit;
+    ``rerank_retry_cap`` as :func:`rerank_client` takes it."""
     with ExitStack() as stack:
         embed_url = stack.enter_context(start_local_tei_if_needed(settings, quiet=quiet))
         embedder = embedding_client(settings, embed_url)
         stack.callback(embedder.close)
         rerank_url = settings.rerank_url or embed_url
-        reranker = rerank_client(settings, rerank_url)
+        reranker = rerank_client(settings, rerank_url, retry_cap=rerank_retry_cap)
         stack.callback(reranker.close)
         store = VectorStore(open_client(settings), settings.collection)
         stack.callback(store.close)
