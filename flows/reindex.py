@@ -17,39 +17,11 @@ from flows import quiet_quarry_tracebacks, take_back_sigterm
 from flows.ingest import one_writer, source_specs
 from quarry.chunking import Chunker
 from quarry.config import get_settings
-from quarry.errors import ConfigError, Refused
+from quarry.errors import Refused
 from quarry.ingest import IndexSync
-from quarry.reindex import reindex
+from quarry.reindex import refuse_bad_parameters, reindex
 from quarry.services import open_services
-from quarry.sources import checked_encoding
 from quarry.store import VectorStore
-
-
-def _refuse_bad_parameters(
-    eval_dataset: str | None,
-    min_ndcg: float | None,
-    eval_split: str,
-    from_source: bool,
-    include: list[str] | None,
-    exclude: list[str] | None,
-    encoding: str | None,
-) -> None:
-    """ConfigError for parameters a deployment run would otherwise ignore, or trip over
-    only after re-embedding the whole collection (the CLI refuses the same as usage)."""
-    if min_ndcg is not None and eval_dataset is None:
-        raise ConfigError("min_ndcg needs eval_dataset: without one there is no gate")
-    if min_ndcg is not None and not 0.0 <= min_ndcg <= 1.0:  # NaN fails this too
-        raise ConfigError(f"min_ndcg must be between 0 and 1, not {min_ndcg}")
-    if eval_split != "test" and eval_dataset is None:
-        raise ConfigError("eval_split needs eval_dataset")
-    if (include or exclude or encoding) and not from_source:
-        raise ConfigError("include, exclude and encoding need from_source")
-    if encoding is not None:
-        checked_encoding(encoding)
-    if eval_dataset is not None:
-        from quarry.evaluate import load_beir
-
-        load_beir(eval_dataset, eval_split)
 
 
 @flow(name="quarry-reindex", log_prints=False)
@@ -88,8 +60,15 @@ def reindex_flow(
     quiet_quarry_tracebacks()  # a deployment's log, as the CLI's: the error says it all
     take_back_sigterm()
     logger = get_run_logger()
-    _refuse_bad_parameters(
-        eval_dataset, min_ndcg, eval_split, bool(from_source), include, exclude, encoding
+    # Before the writer lock and any building: a deployment run is not checked by a CLI.
+    refuse_bad_parameters(
+        eval_dataset=eval_dataset,
+        min_ndcg=min_ndcg,
+        eval_split=eval_split,
+        from_source=bool(from_source),
+        include=include,
+        exclude=exclude,
+        encoding=encoding,
     )
     settings = get_settings(collection=collection)
     specs = source_specs(from_source or [], include, exclude, encoding=encoding)

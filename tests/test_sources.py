@@ -781,7 +781,9 @@ def test_pdf_without_text_is_reported(tmp_path: Path) -> None:
     assert "no extractable text" in failure.error
 
 
-def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
+def _root_with_links(tmp_path: Path) -> Path:
+    """``root/``: ``real.md``, and links to it (``inside.md``), to a file outside
+    (``leak.md``, "Do not index") and to the folder outside (``leakdir``)."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret.md").write_text("# Secret\n\nDo not index.\n")
@@ -791,6 +793,11 @@ def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
     (root / "leak.md").symlink_to(outside / "secret.md")
     (root / "leakdir").symlink_to(outside, target_is_directory=True)
     (root / "inside.md").symlink_to(root / "real.md")
+    return root
+
+
+def test_symlink_out_of_the_root_is_not_followed(tmp_path: Path) -> None:
+    root = _root_with_links(tmp_path)
     spec = open_source(root)
     # The link inside leads to a file indexed anyway: once, under its own name.
     assert [p.name for p in discover(spec)] == ["real.md"]
@@ -808,14 +815,7 @@ def test_a_symlink_out_of_its_folder_given_by_name_is_reported_as_a_walk_reports
 ) -> None:
     # Nightly trial: `quarry ingest root/*.md` indexed the link's target as a source
     # of its own ('outside'), which a walk of root/ refuses to follow.
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret.md").write_text("# Secret\n\nDo not index.\n")
-    root = tmp_path / "root"
-    root.mkdir()
-    (root / "real.md").write_text("# Real\n")
-    (root / "leak.md").symlink_to(outside / "secret.md")
-    (root / "inside.md").symlink_to(root / "real.md")
+    root = _root_with_links(tmp_path)
     leak = open_source(root / "leak.md")
     assert leak.name == "root"
     docs, failures = documents(leak)

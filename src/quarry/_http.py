@@ -17,7 +17,7 @@ import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx2
@@ -113,6 +113,13 @@ class RetryPolicy:
     on_retry: Callable[[BaseException | None], None] | None = field(
         default=None, compare=False, repr=False
     )
+
+    def capped(self, budget: float, source: str) -> RetryPolicy:
+        """This policy with its budget at most ``budget``, which ``source`` sets (named
+        by the retry warning): itself when its own is no larger."""
+        if self.budget <= budget:
+            return self
+        return replace(self, budget=budget, budget_source=source)
 
     def retrying(self) -> tenacity.Retrying:
         """A tenacity controller for one logical request."""

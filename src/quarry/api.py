@@ -157,13 +157,6 @@ _EMBEDDING, _RERANKER, _QDRANT = "embedding service", "reranker", "qdrant"
 _RETRY_AFTER_S = {_EMBEDDING: EMBED_COOLDOWN_S, _RERANKER: RERANK_COOLDOWN_S}
 
 
-def _capped(policy: RetryPolicy, cap: float, service: str) -> RetryPolicy:
-    """``policy`` with its budget capped at ``cap``, a query's most for ``service``."""
-    if policy.budget <= cap:
-        return policy
-    return dataclasses.replace(policy, budget=cap, budget_source=f"a query's cap for the {service}")
-
-
 # -- request and response bodies --------------------------------------------------------------
 
 MetadataKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -1049,9 +1042,13 @@ class QueryService:
         self._seen_down = False
         self._reranker_outage = _Outage(RERANK_COOLDOWN_S)
         self._embedding_outage = _Outage(EMBED_COOLDOWN_S)
-        self._rerank_retry = _capped(retry_policy(settings), QUERY_RERANK_RETRY_S, "reranker")
+        self._rerank_retry = retry_policy(settings).capped(
+            QUERY_RERANK_RETRY_S, "a query's cap for the reranker"
+        )
         self._embed_retry = dataclasses.replace(
-            _capped(retry_policy(settings), QUERY_EMBED_RETRY_S, "embedding service"),
+            retry_policy(settings).capped(
+                QUERY_EMBED_RETRY_S, "a query's cap for the embedding service"
+            ),
             on_retry=self._retried_embedding,
         )
 

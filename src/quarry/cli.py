@@ -38,6 +38,16 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 EXIT_INCOMPLETE = 4  # ingest --fail-on-failures: done, but some documents failed
 QUERY_RERANK_RETRY_S = 5.0
 """The most `quarry query` waits on a failing reranker it can answer without."""
+# What `quarry reindex` calls the parameters that quarry.reindex.refuse_bad_parameters names.
+_REINDEX_FLAGS = {
+    "eval_dataset": "--eval DATASET",
+    "min_ndcg": "--min-ndcg",
+    "eval_split": "--eval-split",
+    "from_source": "--from-source PATH",
+    "include": "--include",
+    "exclude": "--exclude",
+    "encoding": "--encoding",
+}
 _RERANK_CAP = "quarry query's cap for a reranker not required (QUARRY_RERANK_REQUIRED)"
 
 app = typer.Typer(
@@ -782,25 +792,20 @@ def reindex(
     for path in [*(from_source or []), *([eval_dir] if eval_dir else [])]:
         if not path.exists():
             _fail(f"{path}: no such file or directory", EXIT_USAGE)
-    if min_ndcg is not None and eval_dir is None:
-        _fail("--min-ndcg needs --eval DATASET", EXIT_USAGE)
-    if min_ndcg is not None and not 0.0 <= min_ndcg <= 1.0:  # NaN fails this too
-        # nan would pass every gate (nothing compares below it), above 1 refuse every
-        # build: either only after the whole collection was re-embedded.
-        _fail(f"--min-ndcg must be between 0 and 1, not {min_ndcg}", EXIT_USAGE)
-    if eval_split != "test" and eval_dir is None:
-        _fail("--eval-split needs --eval DATASET", EXIT_USAGE)
-    if (include or exclude or encoding) and not from_source:
-        _fail("--include, --exclude and --encoding need --from-source PATH", EXIT_USAGE)
     with _errors_to_exit_codes():
-        if eval_dir is not None:
-            from quarry.evaluate import load_beir
+        from quarry.reindex import refuse_bad_parameters
 
-            load_beir(eval_dir, eval_split)  # a bad dataset is refused before hours of re-embedding
-        if encoding is not None:
-            from quarry.sources import checked_encoding
-
-            checked_encoding(encoding)
+        # Before Prefect starts (the flow checks them again, for deployment runs).
+        refuse_bad_parameters(
+            eval_dataset=eval_dir,
+            min_ndcg=min_ndcg,
+            eval_split=eval_split,
+            from_source=bool(from_source),
+            include=include,
+            exclude=exclude,
+            encoding=encoding,
+            names=_REINDEX_FLAGS,
+        )
         _preflight(settings)
     from flows import configure_prefect_environment, embedded_flow_runs, quiet_quarry_tracebacks
 

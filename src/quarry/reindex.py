@@ -14,13 +14,14 @@ import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 from qdrant_client import models
 
 from quarry.documents import Chunk, Document
 from quarry.embeddings import EmbeddedPart
-from quarry.errors import CanaryMismatch, MassDeleteRefused, Refused, StoreError
+from quarry.errors import CanaryMismatch, ConfigError, MassDeleteRefused, Refused, StoreError
 from quarry.fingerprint import Fingerprint, cosine, query_task_changed, read_fingerprint
 from quarry.ingest import (
     PROGRESS_SECONDS,
@@ -34,7 +35,7 @@ from quarry.ingest import (
     index_settings,
     run_sync,
 )
-from quarry.sources import SourceSpec
+from quarry.sources import SourceSpec, checked_encoding
 from quarry.store import (
     INTERRUPTED_WRITE,
     META_CHUNKING,
@@ -386,6 +387,45 @@ def reindex(
             "first"
         )
     return report
+
+
+def refuse_bad_parameters(
+    *,
+    eval_dataset: str | Path | None,
+    min_ndcg: float | None,
+    eval_split: str,
+    from_source: bool,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    encoding: str | None,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """ConfigError (SourceNotFound for a dataset that is not there) for reindex
+    parameters that would be ignored, or found wrong only after the whole collection
+    was re-embedded. ``names`` says what to call each parameter (the CLI's flags)."""
+
+    def called(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    if min_ndcg is not None and eval_dataset is None:
+        raise ConfigError(f"{called('min_ndcg')} needs {called('eval_dataset')}")
+    if min_ndcg is not None and not 0.0 <= min_ndcg <= 1.0:
+        # NaN fails this too: it would pass every gate (nothing compares below it),
+        # and above 1 refuse every build.
+        raise ConfigError(f"{called('min_ndcg')} must be between 0 and 1, not {min_ndcg}")
+    if eval_split != "test" and eval_dataset is None:
+        raise ConfigError(f"{called('eval_split')} needs {called('eval_dataset')}")
+    if (include or exclude or encoding) and not from_source:
+        raise ConfigError(
+            f"{called('include')}, {called('exclude')} and {called('encoding')} need "
+            f"{called('from_source')}"
+        )
+    if encoding is not None:
+        checked_encoding(encoding)
+    if eval_dataset is not None:
+        from quarry.evaluate import load_beir
+
+        load_beir(str(eval_dataset), eval_split)
 
 
 def _unfinished_builds(store: VectorStore, physical: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypedDict
 
 from quarry._async_clients import AsyncEmbeddingClient, AsyncRerankClient
@@ -131,9 +131,8 @@ def rerank_client(
     """A rerank client for ``url``: its own key, else the embedding service's. With
     ``retry_cap`` (seconds, what sets it), its retries stop at that budget."""
     options = _rerank_options(settings)
-    if retry_cap is not None and options["retry"].budget > retry_cap[0]:
-        seconds, source = retry_cap
-        options["retry"] = replace(options["retry"], budget=seconds, budget_source=source)
+    if retry_cap is not None:
+        options["retry"] = options["retry"].capped(*retry_cap)
     return RerankClient(url.rstrip("/"), **options)
 
 
