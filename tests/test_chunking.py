@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import itertools
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -210,15 +211,22 @@ def test_offsets_cover_the_text_and_only_overlap_repeats(args: tuple[str, int, i
     if not text.strip():
         assert chunks == []
         return
-    assert chunks[0].char_start == 0
-    assert chunks[-1].char_end == len(text)
+    # Only whitespace is left out: before the first chunk, after the last, and where a
+    # run of it would have been a chunk of its own.
+    assert not text[: chunks[0].char_start].strip()
+    assert not text[chunks[-1].char_end :].strip()
+    for chunk in chunks:
+        assert chunk.text.strip()
     for before, after in itertools.pairwise(chunks):
-        # No gap, strictly moving forward, and what two chunks share is at most
-        # `overlap` tokens (the repeated tail), never a whole chunk.
-        assert before.char_start < after.char_start <= before.char_end < after.char_end
+        # Strictly moving forward, and what two chunks share is at most `overlap`
+        # tokens (the repeated tail), never a whole chunk.
+        assert before.char_start < after.char_start and before.char_end < after.char_end
+        assert not text[before.char_end : after.char_start].strip()
         assert tiktoken_count(text[after.char_start : before.char_end]) <= overlap
     if overlap == 0:
-        assert "".join(c.text for c in chunks) == text
+        gaps = [text[b.char_end : a.char_start] for b, a in itertools.pairwise(chunks)]
+        rebuilt = "".join(c.text + gap for c, gap in zip(chunks, [*gaps, ""], strict=True))
+        assert rebuilt == text[chunks[0].char_start : chunks[-1].char_end]
 
 
 @PROPERTY_SETTINGS
@@ -301,6 +309,107 @@ def test_a_chunk_spanning_sections_carries_their_common_headings() -> None:
     assert "## C" in last.text
     assert last.headings == ("A",)  # B and C both lie under A, neither encloses the chunk
     assert chunks[0].headings == ("A",)
+
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+
+
+@st.composite
+def sectioned_markdown(draw: st.DrawFn) -> str:
+    """ATX headings of any level between paragraphs of 3 to 400 words."""
+    parts = []
+    for k in range(draw(st.integers(3, 30))):
+        if draw(st.booleans()) and draw(st.booleans()):
+            parts.append("#" * draw(st.integers(1, 4)) + f" H{k}\n\n")
+        else:
+            n = draw(st.sampled_from([3, 10, 40, 150, 400]))
+            parts.append(" ".join(draw(st.sampled_from(WORDS)) for _ in range(n)) + ".\n\n")
+    return "".join(parts)
+
+
+def breadcrumbs_by_place(text: str) -> list[tuple[int, tuple[str, ...]]]:
+    """Each ATX heading's line start, with the breadcrumb in force from there on."""
+    places, stack = [], []
+    for m in re.finditer(r"^(#{1,6}) (.*)$", text, re.M):
+        level = len(m.group(1))
+        stack = [(lv, title) for lv, title in stack if lv < level] + [(level, m.group(2))]
+        places.append((m.start(), tuple(title for _, title in stack)))
+    return places
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sectioned_markdown(), st.sampled_from([(256, 32), (256, 64), (64, 32), (32, 8)]))
+def test_a_chunks_headings_enclose_all_of_its_text_its_overlap_included(
+    text: str, limits: tuple[int, int]
+) -> None:
+    # Review (fuzzing): an overlap reached back over a heading, so a chunk began with
+    # another section's text and was labelled with the next section only.
+    places = breadcrumbs_by_place(text)
+
+    def at(pos: int) -> tuple[str, ...]:
+        crumb: tuple[str, ...] = ()
+        for start, here in places:
+            if start > pos:
+                break
+            crumb = here
+        return crumb
+
+    for chunk in chunks_of(text, *limits):
+        first = chunk.char_start + len(chunk.text) - len(chunk.text.lstrip())
+        crumbs = [at(first)] + [at(p) for p, _ in places if first < p < chunk.char_end]
+        common = crumbs[0]
+        for crumb in crumbs[1:]:
+            while crumb[: len(common)] != common:
+                common = common[:-1]
+        assert chunk.headings == common, (chunk.char_start, chunk.text[:60])
+
+
+def test_an_overlap_starts_at_a_heading_rather_than_before_it() -> None:
+    # The smallest case the fuzzing found: the chunk before ends with the heading and
+    # its short paragraph, and the next one's overlap reached back into the paragraph
+    # above the heading while the chunk was labelled with that heading.
+    words = itertools.cycle(WORDS)
+
+    def paragraph(n: int) -> str:
+        return " ".join(next(words) for _ in range(n)) + ".\n\n"
+
+    text = paragraph(40) + paragraph(400) + "### Three\n\n" + paragraph(5) + paragraph(150)
+    heading = text.index("### Three")
+    chunks = chunks_of(text, 256, 32)
+    under = [c for c in chunks if c.headings == ("Three",)]
+    assert under and all(c.char_start >= heading for c in under)
+    assert under[0].text.startswith("### Three")  # the whole heading line, not a piece
+    assert all(c.headings == () for c in chunks if c.char_start < heading)
+
+
+def test_yaml_front_matter_holds_no_heading() -> None:
+    body = " ".join(WORDS * 40)
+    text = f"---\n# generated by a tool\ntitle: Guide\n---\n\n{body}.\n\n## Install\n\n{body}.\n"
+    chunks = chunks_of(text, 64, 8)
+    assert {c.headings for c in chunks} == {(), ("Install",)}
+    assert "title: Guide" in chunks[0].text  # kept as text all the same
+    unclosed = chunks_of(f"---\n# Real\n\n{body}.\n", 64, 8)
+    assert unclosed[-1].headings == ("Real",)  # no closing line: no front matter
+
+
+def test_heading_lines_inside_an_html_comment_are_ignored() -> None:
+    body = " ".join(WORDS * 40)
+    text = (
+        f"# Guide\n\n<!--\n# TODO old section\n\n-->\n\n{body}.\n\n<!-- x -->\n## Sub\n\n{body}.\n"
+    )
+    chunks = chunks_of(text, 64, 8)
+    assert {c.headings for c in chunks} == {("Guide",), ("Guide", "Sub")}
+    assert "# TODO old section" in chunks[0].text
+
+
+def test_a_run_of_whitespace_makes_no_chunk() -> None:
+    # Review: 20,000 tabs or blank lines became chunks of whitespace alone, embedded
+    # and stored, which a search could return as an empty passage.
+    for text in ("\t" * 20000 + "x\n", "# Notes\n\nfirst.\n" + "\n" * 20000 + "last.\n"):
+        chunks = chunks_of(text, 256, 32)
+        assert chunks and all(c.text.strip() for c in chunks)
+        assert [c.index for c in chunks] == list(range(len(chunks)))
+        assert "".join(c.text for c in chunks).split() == text.split()
 
 
 def test_heading_lines_inside_code_fences_are_ignored() -> None:

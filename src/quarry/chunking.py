@@ -7,6 +7,7 @@ large file never becomes one big token list:
    (paragraphs), markdown ATX and setext headings, reStructuredText section
    titles (underlined or over- and underlined), code fences (whose insides are
    skipped, so a ``# comment`` in a fence is never a heading) and list items.
+   Markdown's YAML front matter and HTML comments are skipped as fences are.
    The text between two such places is a *unit*; each unit carries the
    heading breadcrumb in force where it starts and the strength of the
    boundary it starts at: heading > code fence > paragraph > list item >
@@ -28,9 +29,9 @@ large file never becomes one big token list:
    between two words (or at a line start). Where the tail has no such place
    (text written without spaces, such as Chinese or Japanese, or a long run
    without whitespace), the overlap starts at a sentence start that keeps at
-   least half of ``overlap`` tokens, else at a token boundary. A chunk's
-   breadcrumb is the headings that enclose all of its own text (the common
-   prefix of its units' breadcrumbs).
+   least half of ``overlap`` tokens, else at a token boundary. An overlap never
+   reaches back over a heading (it may start at one), so a chunk's breadcrumb,
+   the common prefix of its units' breadcrumbs, encloses all of its text.
 
 Exact token counts without re-encoding. tiktoken first cuts a text into pieces
 with a regex and then runs BPE inside each piece, so a text cut at a place that
@@ -50,11 +51,13 @@ each side by encoding, a chunk across one is re-counted, and the chunk shrunk
 (its last units left to the next chunk, then its overlap shortened or dropped)
 until ``count_tokens(chunk.text) <= max_tokens``.
 
-Every character of a document that is not all whitespace lies in some chunk:
-chunks are contiguous slices of the text (blank lines belong to the unit
-before them), consecutive chunks share only the overlap, and
+Every character of a document that is not whitespace lies in some chunk:
+chunks are slices of the text (blank lines belong to the unit before them),
+consecutive chunks share only the overlap, and
 ``chunk.text == document.text[chunk.char_start:chunk.char_end]``. A document
-that is empty or all whitespace has no chunks.
+that is empty or all whitespace has no chunks, and no chunk is whitespace
+alone: a run of it long enough to make one (thousands of blank lines or tabs)
+is left out, as a gap between two chunks.
 
 The install compiles this module with mypyc (``hatch_build.py``) where it can:
 the same source, about 1.3x faster. The tests compare the compiled module's
@@ -106,8 +109,10 @@ ENCODING_NAME = "cl100k_base"
 #    least half of it, else at the earliest word that fits, as before; sentences also end
 #    at ؟ ۔ । ॥ and the Greek question mark; a token-window cut never falls inside a
 #    character (an emoji sequence, stacked marks, a jamo syllable, a flag).
+# 6: an overlap never reaches back over a heading (it may start at one); nothing in YAML
+#    front matter or an HTML comment is a heading; a run of whitespace makes no chunk.
 # A sync re-embeds only the chunks whose text changed, so a bump costs little.
-CHUNKER_VERSION = 5
+CHUNKER_VERSION = 6
 
 Markup = Literal["markdown", "rst", "text", "code"]
 
@@ -282,11 +287,17 @@ _LINE_KINDS = r"""
     | (?P<atx>[ ]{0,3}\#{1,6})[ \t]+(?=\S)
     | (?P<adorn>(?P<achar>[=\-`:'"~^_*+\#<>.])(?P=achar){2,})[ \t]*$
     | (?P<item>[ \t]*(?:[-*+•‣▪]|\d{1,9}[.)]))[ \t]+(?=\S)
+    | (?P<comment>[ ]{0,3}<!--)
 """
 # Every match starts at a newline, which lets the regex engine jump from one
 # newline to the next; the first line of a text is classified with _LINE.
 _SCAN = re.compile(r"\n(?:(?P<blank>[ \t]*)(?=\n[ \t]*\S)|" + _LINE_KINDS + ")", re.M | re.X)
 _LINE = re.compile(_LINE_KINDS, re.M | re.X)
+# YAML front matter: a first line of ``---``, closed by ``---`` or ``...`` within
+# _FRONT_MATTER_LINES lines (as quarry.sources reads its title).
+_FRONT_MATTER_OPEN = re.compile(r"---[ \t]*\n")
+_FRONT_MATTER_CLOSE = re.compile(r"\n(?:---|\.\.\.)[ \t]*(?=\n|$)")
+_FRONT_MATTER_LINES = 200
 # A line that can start a unit: spaces/tabs, then a non-space character.
 _STARTABLE = re.compile(r"[ \t]*\S")
 
@@ -438,6 +449,22 @@ def _line_end(text: str, pos: int) -> int:
     return len(text) if end < 0 else end
 
 
+def _front_matter_end(text: str) -> int:
+    """Where a markdown text's YAML front matter ends (the end of its closing line),
+    0 when it has none: nothing in it is a heading or any other structure."""
+    opening = _FRONT_MATTER_OPEN.match(text)
+    if opening is None:
+        return 0
+    end = 0
+    for _ in range(_FRONT_MATTER_LINES):
+        end = text.find("\n", end + 1)
+        if end < 0:
+            end = len(text)
+            break
+    closing = _FRONT_MATTER_CLOSE.search(text, opening.end() - 1, end + 4)
+    return 0 if closing is None else closing.end()
+
+
 def _startable(text: str, pos: int) -> bool:
     return 0 < pos < len(text) and text[pos - 1] == "\n" and _STARTABLE.match(text, pos) is not None
 
@@ -466,7 +493,9 @@ class _StructureScanner:
         resume = 0  # matches before this (inside a code fence) are skipped
         rst, code = self.markup == "rst", self.markup == "code"
         first = _LINE.match(text, 0)
-        if first is not None:
+        if self.markup == "markdown" and (front := _front_matter_end(text)):
+            resume = front  # the front matter is the first unit's, as it is
+        elif first is not None:
             resume = self._classify(first, 0, held, pending)
         if resume >= 0:
             for m in _SCAN.finditer(text, resume):
@@ -584,6 +613,11 @@ class _StructureScanner:
             if _startable(text, end + 1):
                 out.append(_Event(end + 1, PARAGRAPH))
             return end
+        if kind == "comment":
+            # An HTML comment (markdown) is text of the unit it is in: a ``# line`` or a
+            # blank line inside it is nothing. One never closed is a line like any other.
+            comment_end = text.find("-->", m.end("comment")) if self.fences_on else -1
+            return end if comment_end < 0 else _line_end(text, comment_end)
         if kind == "adorn" and self.headings_on:
             self._adornment(line_start, end, m.group("achar"), len(m.group("adorn")), held, out)
         return end
@@ -729,6 +763,20 @@ class _Spec:
     ntok: int = 0
 
 
+def _overlap_floor(spec: _Spec) -> tuple[int, int]:
+    """``(k, floor)``: the overlap taken from ``spec``'s tail lies in ``spec.units[k:]``
+    and starts after ``floor``. Never in the chunk before, nor before the last heading
+    in this one: the next chunk continues that heading's section, so its breadcrumb
+    holds for its overlap too. An overlap may start at that heading itself (``floor``
+    is the character before it), but not at the chunk's own start."""
+    units = spec.units
+    for k in range(len(units) - 1, 0, -1):
+        unit = units[k]
+        if unit.level == HEADING or unit.headings != units[k - 1].headings:
+            return k, unit.start - 1
+    return 0, units[0].start
+
+
 def _pieces_of(text: str, unit: _Unit) -> Sequence[str]:
     """The pre-tokenizer pieces of a ``pieces`` unit, split now if they were not kept."""
     if unit.toks is None:
@@ -835,16 +883,21 @@ class Chunker:
         """
         if not text or text.isspace():
             return
-        for index, (start, end, ntok, headings) in enumerate(self._pack(text, markup)):
+        index = 0
+        for start, end, ntok, headings in self._pack(text, markup):
+            piece = text[start:end]
+            if piece.isspace():
+                continue  # a long run of blank lines or tabs: nothing to search for
             yield Chunk(
                 doc_id=doc_id,
                 index=index,
-                text=text[start:end],
+                text=piece,
                 token_count=ntok,
                 headings=headings,
                 char_start=start,
                 char_end=end,
             )
+            index += 1
 
     # -- units ---------------------------------------------------------------
 
@@ -1545,7 +1598,7 @@ class _Packer:
         found = self._overlap_at_words(spec, nxt, limit)
         if found[1]:
             return found
-        floor, cut = spec.units[0].start, spec.units[-1].end
+        floor, cut = _overlap_floor(spec)[1], spec.units[-1].end
         return self._overlap_in_text(floor, cut, limit) or found
 
     def _overlap_in_text(self, floor: int, cut: int, budget: int) -> tuple[int, int] | None:
@@ -1616,16 +1669,19 @@ class _Packer:
         """:meth:`_overlap_for` at a token-additive place, at most ``limit`` tokens;
         ``(nxt.start, 0)`` when none fits."""
         cut = spec.units[-1].end
-        floor = spec.units[0].start  # never reach into the chunk before
-        if spec.units[-1].pieces:
-            found = self._overlap_from_pieces(spec, nxt, floor, limit)
+        first, floor = _overlap_floor(spec)
+        units = spec.units[first:]
+        if units[-1].pieces:
+            found = self._overlap_from_pieces(units, nxt, floor, limit)
             if found is not None:
                 return found
         tail: list[int] = []
         known = True  # whether ``tail`` is the real tokenization of the text it covers
-        for unit in reversed(spec.units):
+        whole = True  # whether ``tail`` holds all of ``units``
+        for unit in reversed(units):
             need = limit - len(tail)
             if need <= 0:
+                whole = False
                 break
             if unit.pieces and not unit.seam:
                 _pieces_of(self.text, unit)  # for t1 - t0
@@ -1633,9 +1689,11 @@ class _Packer:
                 known = False
             if unit.pieces:  # a tail that runs into other units: their tokens, encoded now
                 toks = get_encoding().encode_ordinary(self.text[unit.start : unit.end])
+                whole = whole and need >= len(toks)
                 tail[:0] = toks[max(0, len(toks) - need) :]
             else:
                 toks = cast("list[int]", unit.toks)
+                whole = whole and need >= unit.t1 - unit.t0
                 tail[:0] = toks[max(unit.t0, unit.t1 - need) : unit.t1]
         if not tail:
             return nxt.start, 0
@@ -1643,10 +1701,14 @@ class _Packer:
         if known:
             lengths, ends_word, ends_line, starts_space, starts_word = _token_tables()
             chosen = None  # the earliest word start, unless a line start keeps enough
-            for k in range(1, len(tail)):
-                before, token = tail[k - 1], tail[k]
-                at_line = bool(ends_line[before] and starts_word[token])
-                if at_line or (ends_word[before] and starts_space[token]):
+            # A heading's line, taken whole, is a place too: the overlap's first line.
+            for k in range(0 if first and whole and len(tail) < limit else 1, len(tail)):
+                if k == 0:
+                    at_line = True
+                else:
+                    before, token = tail[k - 1], tail[k]
+                    at_line = bool(ends_line[before] and starts_word[token])
+                if at_line or (ends_word[tail[k - 1]] and starts_space[tail[k]]):
                     if chosen is None:
                         chosen = k
                     if at_line:
@@ -1683,7 +1745,7 @@ class _Packer:
         return fit or (nxt.start, 0)
 
     def _overlap_from_pieces(
-        self, spec: _Spec, nxt: _Unit, floor: int, limit: int
+        self, units: list[_Unit], nxt: _Unit, floor: int, limit: int
     ) -> tuple[int, int] | None:
         """:meth:`_overlap_for` when the chunk's tail lies in units counted by pieces.
 
@@ -1696,7 +1758,7 @@ class _Packer:
         """
         tail: list[str] = []  # the chunk's last pieces, last first
         need = limit
-        for unit in reversed(spec.units):
+        for unit in reversed(units):
             if not unit.pieces or (need > unit.ntok and not unit.seam):
                 return None
             ps = _pieces_of(self.text, unit)
@@ -1715,7 +1777,7 @@ class _Packer:
         # tail[:fits] come to fewer than ``limit`` tokens (version 1 never began an
         # overlap exactly ``limit`` tokens back).
         fits = bisect.bisect_left(tokens, limit)
-        text, end = self.text, spec.units[-1].end
+        text, end = self.text, units[-1].end
         chosen: tuple[int, int] | None = None
         for i in range(fits - 1, -1, -1):  # earliest place first: the most overlap
             piece = tail[i]
