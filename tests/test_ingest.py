@@ -790,6 +790,10 @@ def test_a_mass_delete_refusal_counts_the_files_a_rename_would_bring(harness: Ha
     # the same files were there under new names.
     harness.run()
     (harness.root / "notes").rename(harness.root / "misc")
+    # Empty files are never indexed, so they cannot be the files that went (review: the
+    # hint counted them, and read as a rename where there was none).
+    for n in range(3):
+        (harness.root / f"empty{n}.md").write_text("")
     with pytest.raises(MassDeleteRefused) as refused:
         harness.run()
     assert "2 files were found that are not indexed" in str(refused.value)

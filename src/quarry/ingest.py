@@ -451,20 +451,19 @@ class IndexSync:
         if full_sync and files:
             found, unlisted = listing.still_there()
             gone = sum(1 for uri in files if uri not in found and not uri.startswith(unlisted))
-            new = sum(1 for uri in found if uri not in files and not uri.endswith("/"))
-            moved = (
-                f" {new} files were found that are not indexed: if they are those files moved "
-                "or renamed, --allow-mass-delete indexes them under their new names."
-                if new
-                else ""
-            )
+
+            def outcome() -> str:
+                new = listing.files_to_index(files)
+                moved = (
+                    f" {new} files were found that are not indexed: if they are those files "
+                    "moved or renamed, --allow-mass-delete indexes them under their new names."
+                    if new
+                    else ""
+                )
+                return f"{moved} Nothing of {_scope(spec)} was read, embedded or deleted."
+
             self._guard_deletes(
-                spec,
-                gone,
-                len(files),
-                allow_mass_delete,
-                unit="files",
-                outcome=f"{moved} Nothing of {_scope(spec)} was read, embedded or deleted.",
+                spec, gone, len(files), allow_mass_delete, unit="files", outcome=outcome
             )
         return SourcePlan(spec=spec, state=state, files=files, listing=listing)
 
@@ -1183,8 +1182,10 @@ class IndexSync:
         allow_mass_delete: bool,
         *,
         unit: str = "documents",
-        outcome: str = "",
+        outcome: Callable[[], str] | None = None,
     ) -> None:
+        """Raise MassDeleteRefused when ``deleting`` of ``existing`` is over the fraction
+        allowed; ``outcome`` says what was left undone (called only then)."""
         # A one-file source names the file: its documents going is what was asked for.
         if allow_mass_delete or existing == 0 or deleting == 0 or spec.file is not None:
             return
@@ -1195,7 +1196,7 @@ class IndexSync:
                 f"indexed from {_scope(spec)} ({fraction:.0%} > "
                 f"QUARRY_MAX_DELETE_FRACTION={self.max_delete_fraction:.0%}). Is the path "
                 "mounted and the glob right? Rerun with --allow-mass-delete (a deployment: "
-                f"-p allow_mass_delete=true) if this is intended.{outcome}"
+                f"-p allow_mass_delete=true) if this is intended.{outcome() if outcome else ''}"
             )
 
     def finish(self, report: IngestReport) -> None:

@@ -29,7 +29,8 @@ import errno
 import io
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1391,6 +1392,17 @@ class Listing:
         found = {f"{name}/{f.rel}" for f in self.found}
         unlisted = tuple(uri for uri in found if uri.endswith("/"))
         return found, unlisted
+
+    def files_to_index(self, indexed: Container[str]) -> int:
+        """How many files found are not among the uris ``indexed`` and would be indexed:
+        readable and not empty (an empty file has no documents). A stat each."""
+        name, count = self.spec.name, 0
+        for found in self.found:
+            if found.problem is not None or f"{name}/{found.rel}" in indexed:
+                continue
+            with suppress(OSError):  # gone since the walk
+                count += os.stat(found.opens or found.where).st_size > 0
+        return count
 
 
 def list_source(spec: SourceSpec) -> Listing:
