@@ -117,7 +117,7 @@ def _say_when_stopped(
         if previous is not None:  # a second signal ends the process as it would have
             signal.signal(signal.SIGTERM, previous)
             previous = None
-        sys.stderr.write(f"\n{said}\n")
+        sys.stderr.write(f"\nquarry: error: {said}\n")
         sys.stderr.flush()
         if on_stop is not None:
             on_stop(code, said)
@@ -156,7 +156,7 @@ def _stop_on_signals(
             on_stop(code, said)
 
     def exit_now(code: int) -> None:
-        sys.stderr.write(f"\n{said}\n")
+        sys.stderr.write(f"\nquarry: error: {said}\n")
         sys.stderr.flush()
         tell(code)
         sys.stdout.flush()
@@ -168,7 +168,7 @@ def _stop_on_signals(
             exit_now(128 + signum)
         received.append(signum)
         again = "Ctrl-C" if signum == signal.SIGINT else "the signal"
-        sys.stderr.write(f"\n{said} (cleaning up; {again} again to stop at once)\n")
+        sys.stderr.write(f"\nquarry: {said} (cleaning up; {again} again to stop at once)\n")
         sys.stderr.flush()
         # Prefect then reports the crash to its server, which the terminal's Ctrl-C
         # stopped too: that would take minutes of retries.

@@ -119,7 +119,7 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
                     )
                 )
             except TimeoutError:
-                raise _waited_too_long(settings, collection) from None
+                raise _waited_too_long(settings, collection, repr(collection)) from None
             except ConcurrencySlotAcquisitionError as error:
                 # Prefect raises this for every failure to take the slot: only a 423 is
                 # a slot another run holds (a flow, retrying for ever, never sees one).
@@ -162,17 +162,21 @@ def one_writer(settings: Settings, collection: str, *, wait: bool = True) -> Ite
         try:
             lock.acquire(timeout=-1 if settings.writer_wait is None else settings.writer_wait)
         except Timeout:
-            raise _waited_too_long(settings, collection) from None
+            raise _waited_too_long(
+                settings, collection, f"local-mode Qdrant in {settings.data_dir}"
+            ) from None
     try:
         yield
     finally:
         lock.release()
 
 
-def _waited_too_long(settings: Settings, collection: str) -> StoreLocked:
+def _waited_too_long(settings: Settings, collection: str, written: str) -> StoreLocked:
+    """The run gave up waiting for the writer of ``written`` (a collection, or the
+    local-mode folder that every collection in it shares)."""
     return StoreLocked(
         collection,
-        f"another ingest or reindex of {collection!r} was still writing after "
+        f"another ingest or reindex was still writing to {written} after "
         f"{settings.writer_wait:g}s (QUARRY_WRITER_WAIT); nothing was read or written: "
         "run again when it has finished",
     )

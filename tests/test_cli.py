@@ -350,6 +350,9 @@ def test_rollback_names_the_model_the_collection_it_returns_to_needs(
     forth = run(["rollback", "--to", left, "--json"], env)
     assert forth.returncode == 0, forth.stderr
     assert json.loads(forth.stdout)["model"]["model_id"].startswith("quarry/hash-embedding-8d")
+    again = run(["rollback", "--to", left], env)  # where it already is: says nothing moved
+    assert again.returncode == 0, again.stderr
+    assert f"already serves {left}; nothing changed" in again.stdout
 
 
 def test_a_query_too_long_for_the_model_is_a_usage_error(
@@ -806,7 +809,7 @@ def test_ctrl_c_stops_an_embedded_ingest_at_once_and_a_rerun_completes_it(
         said = ctrl_c_when(
             ["ingest", str(corpus)], env, "Finished in state Completed", tmp_path / "err"
         )
-    assert "interrupted: a rerun picks up where this one stopped" in said
+    assert "quarry: error: interrupted: a rerun picks up where this one stopped" in said
     assert "Traceback" not in said
 
     served = {"QUARRY_EMBED_URL": tei.url, "PREFECT_API_URL": prefect_api}
@@ -842,7 +845,7 @@ def test_sigterm_to_an_embedded_ingest_stops_prefects_server_too(
             sig=signal.SIGTERM,
             whole_group=whole_group,
         )
-    assert "interrupted: a rerun picks up where this one stopped" in said
+    assert "quarry: error: interrupted: a rerun picks up where this one stopped" in said
     # A script reading --json's stdout learns why the run ended.
     error = json.loads((tmp_path / "err.out").read_text())["error"]
     assert (error["type"], error["exit_code"]) == ("interrupted", 143)

@@ -418,8 +418,11 @@ def test_a_writer_that_waits_past_quarry_writer_wait_gives_up_naming_it(
     holder.start()
     try:
         assert held.wait(30)
-        with pytest.raises(StoreLocked, match=r"after 0.5s \(QUARRY_WRITER_WAIT\)"):
+        with pytest.raises(StoreLocked, match=r"after 0.5s \(QUARRY_WRITER_WAIT\)") as refused:
             ingest_flow(sources=[str(corpus)], collection="waits")
+        # The lock is the folder's, whatever the other writer's collection (review: the
+        # message named this run's collection as the one being written).
+        assert f"writing to local-mode Qdrant in {tmp_path / 'd'} after" in str(refused.value)
     finally:
         done.set()
         holder.join()

@@ -319,7 +319,7 @@ def _done_writing(code: int) -> None:
 
 @app.command()
 def ingest(
-    paths: Annotated[list[Path], typer.Argument(help="Folders or files to index.")],
+    paths: Annotated[list[Path], typer.Argument(metavar="PATH", help="Folders or files to index.")],
     collection: CollectionOption = None,
     full_sync: Annotated[
         bool,
@@ -433,7 +433,7 @@ def ingest(
 
 @app.command()
 def query(
-    text: Annotated[str, typer.Argument(help="The question.")],
+    text: Annotated[str, typer.Argument(metavar="TEXT", help="The question.")],
     collection: CollectionOption = None,
     k: Annotated[
         int, typer.Option("-k", min=1, max=100, metavar="N", help="Passages to return.")
@@ -503,7 +503,7 @@ def print_response(response: SearchResponse) -> None:
 
 @app.command()
 def chunk(
-    file: Annotated[Path, typer.Argument(help="A file to split.", exists=False)],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="A file to split.", exists=False)],
     max_tokens: Annotated[
         int | None, typer.Option(min=16, metavar="N", help="Chunk size in tokens.")
     ] = None,
@@ -889,7 +889,10 @@ def rollback(
         data["model"] = {"model_id": built_by.model.model_id, "model_key": built_by.model_key}
 
     def human() -> None:
-        typer.echo(f"{settings.collection}: {current} -> {previous}")
+        if current == previous:  # --to the collection already served: idempotent
+            typer.echo(f"{settings.collection}: already serves {current}; nothing changed")
+        else:
+            typer.echo(f"{settings.collection}: {current} -> {previous}")
         if built_by is not None:  # queries and ingests are refused until it is served
             typer.echo(f"  built by {built_by.model.describe()}: serve that model for it")
 
@@ -1019,7 +1022,9 @@ def parity(
 
 @app.command("eval")
 def evaluate(
-    dataset_dir: Annotated[Path, typer.Argument(help="A BEIR-layout dataset folder.")],
+    dataset_dir: Annotated[
+        Path, typer.Argument(metavar="DATASET_DIR", help="A BEIR-layout dataset folder.")
+    ],
     split: Annotated[
         str, typer.Option(metavar="SPLIT", help="Which qrels/<split>.tsv to score.")
     ] = "test",
