@@ -184,6 +184,9 @@ def _stop_on_signals(
     except KeyboardInterrupt:
         # Cleaned up: the exit status still says which signal stopped the run (the
         # command line turns a KeyboardInterrupt into 130, SIGINT's).
+        if received:
+            sys.stderr.write(f"quarry: error: {said}\n")
+            sys.stderr.flush()
         tell(128 + (received[0] if received else signal.SIGINT))
         if received and received[0] != signal.SIGINT:
             raise SystemExit(128 + received[0]) from None

@@ -973,6 +973,10 @@ def test_sigterm_to_a_run_that_cleans_up_exits_143(tmp_path: Path) -> None:
     )
     assert "cleaned up" in result.stderr, result.stderr
     assert result.returncode == 143, result.stderr
+    # Said as every failure is, once the clean-up is done (review: only the "cleaning
+    # up" notice was printed).
+    said = result.stderr[result.stderr.index("cleaned up") :]
+    assert "quarry: error: interrupted: stopped\n" in said, result.stderr
 
 
 def test_json_error_naming_a_non_utf8_path_is_valid_utf8_json(tmp_path: Path) -> None:

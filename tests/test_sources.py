@@ -402,6 +402,12 @@ def test_an_inline_svg_title_is_not_the_page_title() -> None:
         ("---\ntitle: >-\n  Folded\n---\n\n# Heading\n", "Heading"),
         ('---\ntitle: "Quoted" # a comment\n---\n', "Quoted"),
         ("---\ntitle: Plain # a comment\n---\n", "Plain"),
+        # As the chunker reads them: a rule then a blank line is no front matter, and a
+        # heading in an HTML comment is none (one never closed hides nothing).
+        ("---\n\n# Slide one\n\n---\n\n# Slide two\n", "Slide one"),
+        ("<!--\n# Old\n-->\n# New\n", "New"),
+        ("<!-- x -->\n## Sub\n", "Sub"),
+        ("<!-- never closed\n# Kept\n", "Kept"),
     ],
 )
 def test_markdown_titles_skip_front_matter_lists_and_fences(markdown: str, title: str) -> None:

@@ -293,9 +293,10 @@ _LINE_KINDS = r"""
 # newline to the next; the first line of a text is classified with _LINE.
 _SCAN = re.compile(r"\n(?:(?P<blank>[ \t]*)(?=\n[ \t]*\S)|" + _LINE_KINDS + ")", re.M | re.X)
 _LINE = re.compile(_LINE_KINDS, re.M | re.X)
-# YAML front matter: a first line of ``---``, closed by ``---`` or ``...`` within
+# YAML front matter: a first line of ``---`` with no blank line after it (else it is a
+# thematic break, as Pandoc reads it), closed by ``---`` or ``...`` within
 # _FRONT_MATTER_LINES lines (as quarry.sources reads its title).
-_FRONT_MATTER_OPEN = re.compile(r"---[ \t]*\n")
+_FRONT_MATTER_OPEN = re.compile(r"---[ \t]*\n(?=[ \t]*\S)")
 _FRONT_MATTER_CLOSE = re.compile(r"\n(?:---|\.\.\.)[ \t]*(?=\n|$)")
 _FRONT_MATTER_LINES = 200
 # A line that can start a unit: spaces/tabs, then a non-space character.
@@ -461,7 +462,7 @@ def _front_matter_end(text: str) -> int:
         if end < 0:
             end = len(text)
             break
-    closing = _FRONT_MATTER_CLOSE.search(text, opening.end() - 1, end + 4)
+    closing = _FRONT_MATTER_CLOSE.search(text, opening.end() - 1, end)
     return 0 if closing is None else closing.end()
 
 
@@ -484,6 +485,7 @@ class _StructureScanner:
         )
         self.last_adornment: tuple[int, str, int] | None = None  # (line start, char, length)
         self.bound_fence = -1  # a fence that starts no unit: its lead-in's unit holds it
+        self.comments_unclosed = False  # an HTML comment found no ``-->`` after it
 
     def events(self) -> Iterator[_Event]:
         """Unit starts in strictly increasing position order; the first is at 0."""
@@ -614,10 +616,17 @@ class _StructureScanner:
                 out.append(_Event(end + 1, PARAGRAPH))
             return end
         if kind == "comment":
-            # An HTML comment (markdown) is text of the unit it is in: a ``# line`` or a
-            # blank line inside it is nothing. One never closed is a line like any other.
-            comment_end = text.find("-->", m.end("comment")) if self.fences_on else -1
-            return end if comment_end < 0 else _line_end(text, comment_end)
+            # An HTML comment (markdown and text) is text of the unit it is in: a ``# line``
+            # or a blank line inside it is nothing. One never closed is a line like any
+            # other, and so is every later one: the text holds no ``-->`` to look for.
+            if not self.fences_on or self.comments_unclosed:
+                return end
+            # From the opener's own "--": ``<!-->`` and ``<!--->`` close themselves.
+            comment_end = text.find("-->", m.end("comment") - 2)
+            if comment_end < 0:
+                self.comments_unclosed = True
+                return end
+            return _line_end(text, comment_end)
         if kind == "adorn" and self.headings_on:
             self._adornment(line_start, end, m.group("achar"), len(m.group("adorn")), held, out)
         return end
@@ -1703,8 +1712,10 @@ class _Packer:
             chosen = None  # the earliest word start, unless a line start keeps enough
             # A heading's line, taken whole, is a place too: the overlap's first line.
             for k in range(0 if first and whole and len(tail) < limit else 1, len(tail)):
-                if k == 0:
-                    at_line = True
+                if k == 0:  # the heading's line start: a place as the pieces path finds it
+                    at_line = bool(starts_word[tail[0]])
+                    if not at_line:
+                        continue
                 else:
                     before, token = tail[k - 1], tail[k]
                     at_line = bool(ends_line[before] and starts_word[token])

@@ -987,6 +987,7 @@ _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 # A list item's line is never a setext title (CommonMark: "- a" then "---" is a rule).
 _LIST_ITEM = re.compile(r"^ {0,3}(?:[-*+]|\d{1,9}[.)])(?:[ \t]|$)")
 _FRONT_TITLE = re.compile(r"^title:[ \t]*(.*)$")
+_COMMENT_OPEN = re.compile(r"[ ]{0,3}<!--")
 
 
 def _yaml_scalar(value: str) -> str:
@@ -1013,7 +1014,8 @@ def _markup_title(text: str, rst: bool) -> str:
     lines = text.split("\n", 2000)[:2000]
     styles: list[str] = []
     start = 0
-    if not rst and lines and lines[0].rstrip() == "---":
+    # Front matter opens with "---" and no blank line (else it is a thematic break).
+    if not rst and len(lines) > 1 and lines[0].rstrip() == "---" and lines[1].strip():
         end = next(
             (i for i in range(1, min(len(lines), 200)) if lines[i].rstrip() in ("---", "...")), 0
         )
@@ -1025,7 +1027,17 @@ def _markup_title(text: str, rst: bool) -> str:
                     if title:
                         return title
             start = end + 1
+    # An HTML comment hides its headings, as the chunker reads it: one that is never
+    # closed (no "-->" on a later line) hides nothing.
+    last_close = max((i for i, line in enumerate(lines) if "-->" in line), default=-1)
+    in_comment = False
     for i, line in enumerate(lines[start:], start):
+        if in_comment:
+            in_comment = "-->" not in line
+            continue
+        if not rst and fence is None and (c := _COMMENT_OPEN.match(line)):
+            in_comment = "-->" not in line[c.end() - 2 :] and last_close > i
+            continue
         if not rst:
             f = _FENCE.match(line)
             if f:
@@ -1394,8 +1406,9 @@ class Listing:
         return found, unlisted
 
     def files_to_index(self, indexed: Container[str]) -> int:
-        """How many files found are not among the uris ``indexed`` and would be indexed:
-        readable and not empty (an empty file has no documents). A stat each."""
+        """How many files found are not among the uris ``indexed`` and could be indexed:
+        not empty, with no problem the walk saw (one found binary or blank only when
+        read is counted all the same). A stat each."""
         name, count = self.spec.name, 0
         for found in self.found:
             if found.problem is not None or f"{name}/{found.rel}" in indexed:
