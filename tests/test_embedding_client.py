@@ -234,6 +234,63 @@ def test_transient_failures_are_retried_then_succeed() -> None:
     assert len(fake.paths("/v1/embeddings")) == 4
 
 
+@pytest.mark.parametrize("retry_after", ["soon", "Fri, 99 Foo 2026", "-"])
+def test_a_retry_after_quarry_cannot_read_is_as_none(retry_after: str) -> None:
+    # Fault trial: a 503 with "Retry-After: soon" crashed the ingest, exit 2 "invalid
+    # setting", instead of being retried as any 503.
+    answered: list[int] = []
+
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/v1/embeddings" and not answered:
+            answered.append(503)
+            return httpx2.Response(503, text="busy", headers={"Retry-After": retry_after})
+        return None
+
+    fake = FakeTEI(script=script)
+    assert isinstance(_client(fake).embed_passages(["one"])[0], list)
+    assert len(fake.paths("/v1/embeddings")) == 2
+
+
+def test_an_info_page_that_is_not_json_is_a_bad_response_naming_it() -> None:
+    # Fault trial: a gateway's login page at /info (200, HTML) ended the run with
+    # "invalid setting: Expecting value", exit 2.
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/info":
+            return httpx2.Response(200, text="<html><title>Login</title></html>")
+        return None
+
+    with pytest.raises(BadResponse, match=r"/info.*not JSON.*Login"):
+        _client(FakeTEI(script=script)).embed_passages(["one"])
+
+
+def test_an_info_whose_model_id_is_not_text_is_a_bad_response() -> None:
+    # Fault trial: /info answering {"model_id": 5} created a collection for a model
+    # named "5", and the healthy service was then refused until a reindex.
+    def script(request: httpx2.Request) -> httpx2.Response | None:
+        if request.url.path == "/info":
+            return httpx2.Response(200, json={"model_id": 5, "max_input_length": "x"})
+        return None
+
+    with pytest.raises(BadResponse, match=r"/info.*model_id is 5, not a model name"):
+        _client(FakeTEI(script=script)).embed_passages(["one"])
+
+
+def test_a_batch_of_vectors_not_of_the_models_size_is_a_bad_response() -> None:
+    # Fault trial: one batch answered at 24 of 384 dimensions reached Qdrant, whose
+    # refusal was reported as a write failure; the service was never named.
+    client = _client(FakeTEI())
+    client.dimensions = 4  # as IndexSync.prepare sets it from the index's fingerprint
+    with pytest.raises(BadResponse) as caught:
+        client.embed_passages(["one", "two"], documents=["docs/a.md", "docs/b.md"])
+    message = str(caught.value)
+    assert f"{URL}/v1/embeddings" in message and "docs/a.md" in message
+    assert "vectors of 8 dimensions, where the model's have 4" in message
+    # The canary and probes are judged by the fingerprint, which names another model.
+    assert len(client.embed_raw(["canary"])[0]) == 8
+    client.dimensions = 8
+    assert all(isinstance(r, list) for r in client.embed_passages(["one", "two"]))
+
+
 def test_retry_budget_spent_names_the_url_and_documents() -> None:
     fake = FakeTEI(failures=[503] * 1000)
     client = _client(fake, retry=RetryPolicy(budget=0.3, initial=0.01, maximum=0.02))

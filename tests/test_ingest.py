@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from quarry.chunking import Chunker
 from quarry.config import Settings
 from quarry.embeddings import EmbeddingClient
 from quarry.errors import (
+    BadResponse,
     CanaryMismatch,
     ConfigError,
     FingerprintMismatch,
@@ -1288,6 +1290,38 @@ def test_silent_model_swap_is_refused_before_anything_is_written(
         assert harness.run(transport=swapped).documents_skipped == 4
     # Only alpha.md's file stamp (it was written twice) may have been brought up to date.
     assert _without_stamps(harness.points()) == _without_stamps(before)
+
+
+class _BatchesFromAnother(httpx2.BaseTransport):
+    """The service's /info and its canary (one input) as they are; every request of more
+    inputs answered by ``other`` (a fault: vectors of another size mid-run)."""
+
+    def __init__(self, service: str, other: str) -> None:
+        self._http = httpx2.HTTPTransport()
+        self._service, self._other = httpx2.URL(service), httpx2.URL(other)
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content) if request.content else {}
+        inputs = body.get("input", body.get("inputs", [])) if isinstance(body, dict) else []
+        target = self._other if isinstance(inputs, list) and len(inputs) > 1 else self._service
+        request.url = request.url.copy_with(host=target.host, port=target.port)
+        return self._http.handle_request(request)
+
+
+def test_vectors_of_another_size_fail_the_run_naming_the_service_not_qdrant(
+    harness: Harness, tei: LocalTEIServer
+) -> None:
+    # Fault trial: a batch answered at another size reached Qdrant, and its refusal was
+    # reported per document as a write failure (exit 0), the service never named.
+    harness.run()
+    (harness.root / "beta.md").write_text("# Beta\n\nRewritten. " * 40)
+    before = harness.points()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16)) as other:
+        with pytest.raises(BadResponse) as caught:
+            harness.run(transport=_BatchesFromAnother(tei.url, other.url))
+    message = str(caught.value)
+    assert tei.url in message and "16 dimensions, where the model's have 32" in message
+    assert harness.points() == before  # nothing written
 
 
 def _without_stamps(points: dict[str, Any]) -> dict[str, Any]:

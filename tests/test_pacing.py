@@ -146,6 +146,41 @@ def test_a_request_that_times_out_alone_names_the_timeout_setting() -> None:
                 client.embed_passages([_passage(1)], documents=["notes/a.md"])
     message = str(caught.value)
     assert "QUARRY_EMBED_TIMEOUT" in message and "notes/a.md" in message
+    assert "twice" in message  # a lone timeout is tried once more before this verdict
+
+
+class _FirstEmbedStalls(httpx2.HTTPTransport):
+    """A real local_tei behind a network where the first embedding request's answer
+    never comes (a read timeout: a stall, once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled = 0
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.url.path.endswith("embeddings") and not self.stalled:
+            self.stalled += 1
+            raise httpx2.ReadTimeout("timed out", request=request)
+        return super().handle_request(request)
+
+
+def test_one_stall_of_a_lone_request_is_sent_again_not_the_runs_end() -> None:
+    # Fault trial: one request that hung once, with no other in flight, failed the
+    # nightly run ("the service cannot embed one batch in that time"); resent, the same
+    # batch embedded in milliseconds.
+    network = _FirstEmbedStalls()
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
+        with EmbeddingClient(
+            service.url,
+            transport=network,
+            concurrency=1,
+            timeout=5,
+            retry=RetryPolicy(budget=0),
+            dialect="openai",
+        ) as client:
+            [result] = client.embed_passages([_passage(1)], documents=["notes/a.md"])
+    assert network.stalled == 1
+    assert isinstance(result, list) and isinstance(result[0], EmbeddedPart)
 
 
 def _slow_per_token_service() -> LocalTEIServer:

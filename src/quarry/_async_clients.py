@@ -248,7 +248,7 @@ async def afetch_info(
         if response.status_code in (404, 405):
             return None
         raise_for_status(target, response.status_code, response.content, response.headers)
-        body = response.json()
+        body = json_answer(target, response)  # a gateway's login page is no /info
         return body if isinstance(body, dict) else None
 
     return await acall_with_retries(policy, target, attempt)

@@ -248,10 +248,12 @@ def parse_retry_after(value: str | None) -> float | None:
     try:
         return max(0.0, float(value))
     except ValueError:
+        pass
+    try:
         parsed = email.utils.parsedate_to_datetime(value)
-        if parsed is None:
-            return None
-        return max(0.0, parsed.timestamp() - time.time())
+    except (TypeError, ValueError):  # neither: as if there were none (review: it crashed)
+        return None
+    return max(0.0, parsed.timestamp() - time.time())
 
 
 _HTML_PAGE = re.compile(

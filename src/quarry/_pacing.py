@@ -15,7 +15,8 @@ capacity while answers come back fast (TCP's slow start, in spirit):
 - an answer that took over half the timeout admits one fewer;
 - a request that timed out behind others halves what is admitted, and is sent
   again (the caller's retry budget is for a service that is down, not for one
-  that is slow); one that timed out alone is the service's failure.
+  that is slow); one that timed out alone is the service's failure once it does
+  so twice (the caller sends it once more: one stall is no verdict).
 """
 
 from __future__ import annotations

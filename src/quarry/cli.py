@@ -8,6 +8,7 @@ Exit codes: 0 ok, 1 failed, 2 usage, 3 refused, 130 interrupted (143: SIGTERM).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import os
@@ -179,7 +180,10 @@ def _errors_to_exit_codes() -> Iterator[None]:
     except ValidationError as error:  # settings read again inside a flow
         _fail(f"invalid setting: {describe_invalid(error)}", EXIT_USAGE)
     except ValueError as error:
-        _fail(f"invalid setting: {error}", EXIT_USAGE)
+        # Settings and flags are checked before any work (the branches above): a value
+        # error here is a failure on the way (an answer quarry could not read), not the
+        # user's input (review: a service's odd Retry-After said "invalid setting").
+        _fail(str(error) or type(error).__name__, EXIT_FAILED)
     except KeyboardInterrupt:
         # typer turns an uncaught KeyboardInterrupt into a silent exit 130: say so.
         if _stop_reported:  # an ingest or reindex already did
@@ -1134,8 +1138,21 @@ def _exit(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with suppress(OSError, ValueError):  # a closed pipe: nothing more can be said
             stream.flush()
-    signal.signal(signal.SIGINT, lambda _signum, _frame: os._exit(code))
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda _signum, _frame: os._exit(code))
     sys.exit(code)
+
+
+def _ignore_stop_signals() -> None:
+    """The last atexit handler (registered first): Python's finalization, which follows,
+    gives SIGINT back its default, and a Ctrl-C then killed a finished command by the
+    signal (status 130, the success JSON printed). An ignored signal stays ignored."""
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        with suppress(ValueError):  # not the main thread: nothing to do
+            signal.signal(stop, signal.SIG_IGN)
+
+
+atexit.register(_ignore_stop_signals)
 
 
 def main() -> None:

@@ -108,7 +108,11 @@ class ServiceInfo:
 
     @classmethod
     def from_tei(cls, url: str, info: dict[str, Any]) -> ServiceInfo:
-        """Parse TEI's ``/info`` body."""
+        """Parse TEI's ``/info`` body; BadResponse when its model name is not text (a
+        collection would be created for a model named ``5``, refusing the real one)."""
+        for key in ("model_id", "served_model_name"):
+            if info.get(key) is not None and not isinstance(info[key], str):
+                raise BadResponse(f"{url}/info", f"{key} is {info[key]!r:.40}, not a model name")
         model_type = info.get("model_type") or {}
         pooling = None
         if isinstance(model_type, dict):
@@ -182,7 +186,7 @@ def fetch_info(
         if response.status_code in (404, 405):
             return None
         raise_for_status(target, response.status_code, response.content, response.headers)
-        body = response.json()
+        body = json_answer(target, response)  # a gateway's login page is no /info
         return body if isinstance(body, dict) else None
 
     return call_with_retries(policy, target, attempt)
@@ -238,6 +242,9 @@ class EmbeddingClient:
         )
         self._info: ServiceInfo | None = None
         self._info_lock = threading.Lock()
+        # The model's vector size, once known (the index's fingerprint): a batch answered
+        # at another size is a BadResponse, not a write Qdrant refuses.
+        self.dimensions: int | None = None
         self.requests_sent = 0
         self._can_tokenize = True
         # Batches sent as they were, how many of those a service found too long, and
@@ -627,6 +634,7 @@ class EmbeddingClient:
         """One embedding request, paced (see quarry._pacing): a request that timed out
         behind others is sent again with fewer in flight."""
         pacer = self._pacer()
+        alone_before = False  # this batch already timed out once with no other in flight
         while True:
             with pacer.slot() as depth:
                 with self._count_lock:
@@ -637,18 +645,31 @@ class EmbeddingClient:
                         vectors = self._post_tei(texts, documents, unit)
                     else:
                         vectors = self._post_openai(texts, documents, unit)
+                    if unit:  # raw probes (the canary) are judged by the fingerprint
+                        self._check_width(vectors, documents)
                 except TransientFailure as error:
                     if not error.timed_out:
                         raise
                     if not pacer.timed_out(depth):
-                        raise ServiceUnavailable(
+                        if alone_before:
+                            raise ServiceUnavailable(
+                                error.url,
+                                f"no answer within {self._timeout:g}s (QUARRY_EMBED_TIMEOUT) "
+                                "to a request sent with no other in flight, twice: the "
+                                "service cannot embed one batch in that time; raise "
+                                "QUARRY_EMBED_TIMEOUT or lower QUARRY_EMBED_BATCH_SIZE",
+                                documents=documents,
+                            ) from error
+                        # One stall (a pause, a lost packet) is no verdict on the service:
+                        # the same batch gets one more try before the run fails.
+                        alone_before = True
+                        logger.warning(
+                            "%s: no answer within %gs to a request sent with no other in "
+                            "flight; sending it once more",
                             error.url,
-                            f"no answer within {self._timeout:g}s (QUARRY_EMBED_TIMEOUT) "
-                            "to a request sent with no other in flight: the service cannot "
-                            "embed one batch in that time; raise QUARRY_EMBED_TIMEOUT or "
-                            "lower QUARRY_EMBED_BATCH_SIZE",
-                            documents=documents,
-                        ) from error
+                            self._timeout,
+                        )
+                        continue
                     logger.warning(
                         "%s: no answer within %gs with %d requests in flight: the service "
                         "is slower than that allows; sending it again with at most %d",
@@ -661,6 +682,17 @@ class EmbeddingClient:
             full = len(texts) >= self.batch_size
             pacer.answered(time.monotonic() - started, depth, full=full)
             return vectors
+
+    def _check_width(self, vectors: npt.NDArray[np.float32], documents: Sequence[str]) -> None:
+        """BadResponse when a batch's vectors are not of :attr:`dimensions` (review: a
+        whole batch of another size reached Qdrant, which was blamed for it)."""
+        if self.dimensions is not None and vectors.size and vectors.shape[1] != self.dimensions:
+            raise BadResponse(
+                f"{self.base_url}/{'embed' if self.dialect == 'tei' else 'v1/embeddings'}",
+                f"answered vectors of {vectors.shape[1]} dimensions, where the model's have "
+                f"{self.dimensions}",
+                documents=documents,
+            )
 
     def _post_tei(
         self, texts: list[str], documents: Sequence[str], unit: bool

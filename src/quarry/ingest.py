@@ -326,12 +326,12 @@ class IndexSync:
                 f"created collection {self.store.alias!r} for {live.model.describe()}"
             )
             self.fingerprint = self._judged_against = live
-            return live
+            return self._expecting(live)
         stored = self.store.fingerprint()
         if stored is None:
             # A collection quarry did not create: nothing to compare with.
             self.fingerprint = self._judged_against = read_fingerprint(self.embedder)
-            return self.fingerprint
+            return self._expecting(self.fingerprint)
         metadata = self.store.metadata()
         self._accepted_serving = list(metadata.get(META_ACCEPTED_SERVING) or [])
         # What the service claims, with the stored canary standing in for its own:
@@ -365,7 +365,12 @@ class IndexSync:
                 "and its chunks whose text changed are re-embedded"
             )
         self.fingerprint = claimed
-        return claimed
+        return self._expecting(claimed)
+
+    def _expecting(self, fingerprint: Fingerprint) -> Fingerprint:
+        """Tell the embedder the size of the vectors the collection takes."""
+        self.embedder.dimensions = fingerprint.model.dimensions
+        return fingerprint
 
     def verify_canary(self) -> None:
         """Embed the canary and compare it with the stored one, once per run.
