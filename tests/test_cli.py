@@ -82,6 +82,9 @@ def test_dead_embedding_service_fails_fast_naming_the_url(tmp_path: Path) -> Non
         (["chunk", "{file}", "--max-tokens", "16", "--overlap", "100"], {}, "--overlap"),
         (["chunk", "{file}"], {"QUARRY_CHUNK_TOKENS": "abc"}, "QUARRY_CHUNK_TOKENS:"),
         (["status"], {"QUARRY_EMBED_URL": "not a url"}, "QUARRY_EMBED_URL: 'not a url' is not"),
+        # Review: a bad port reached the Qdrant client, exit 1 and the variable unnamed.
+        (["status"], {"QUARRY_QDRANT_URL": "http://127.0.0.1:99999"}, "QUARRY_QDRANT_URL: "),
+        (["status"], {"QUARRY_EMBED_URL": "http://[::1"}, "QUARRY_EMBED_URL: "),
         # Review trial: nan put every rerank score under it; every answer came back empty.
         (["status"], {"QUARRY_RERANK_THRESHOLD": "nan"}, "QUARRY_RERANK_THRESHOLD:"),
         (["chunk", "{dir}"], {}, "is a directory"),

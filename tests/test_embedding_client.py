@@ -13,7 +13,13 @@ import pytest
 
 from quarry._http import NO_WAIT, RetryPolicy
 from quarry.embeddings import EmbeddingClient, EmbedFailure
-from quarry.errors import BadResponse, DialectMismatch, RequestRejected, ServiceUnavailable
+from quarry.errors import (
+    BadResponse,
+    DialectMismatch,
+    RequestRejected,
+    ServiceUnavailable,
+    VectorsOfAnotherSize,
+)
 from quarry.rerank import RerankClient
 
 URL = "http://tei.test"
@@ -289,6 +295,11 @@ def test_a_batch_of_vectors_not_of_the_models_size_is_a_bad_response() -> None:
     assert len(client.embed_raw(["canary"])[0]) == 8
     client.dimensions = 8
     assert all(isinstance(r, list) for r in client.embed_passages(["one", "two"]))
+    # Nor when another vector of the batch is unusable (the rest were kept as they were).
+    salvaged = _client(FakeTEI(script=_answer_with([[0.0, 0.0], [3.0, 4.0]])))
+    salvaged.dimensions = 4
+    with pytest.raises(VectorsOfAnotherSize, match="vectors of 2 dimensions"):
+        salvaged.embed_passages(["zero", "two"])
 
 
 def test_retry_budget_spent_names_the_url_and_documents() -> None:

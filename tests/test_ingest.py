@@ -108,14 +108,25 @@ def harness(tmp_path: Path, tei: LocalTEIServer) -> Harness:
     return Harness(tmp_path, tei.url)
 
 
+@pytest.mark.parametrize(
+    ("dims", "goes_down", "said"),
+    [
+        (32, True, "unreachable or down during the run"),
+        # Review: of another size, its vectors failed the run as a bad answer (exit 1)
+        # before the model was judged: now refused (exit 3), naming it, as above.
+        (16, True, "answered vectors of another size during the run"),
+        (16, False, "answered vectors of another size during the run"),  # a balancer's
+    ],
+    ids=["restarted-same-size", "restarted-other-size", "swapped-other-size"],
+)
 def test_a_service_back_as_another_model_mid_run_is_refused_before_it_writes(
-    harness: Harness,
+    harness: Harness, dims: int, goes_down: bool, said: str
 ) -> None:
-    from quarry.errors import Refused
+    from quarry.errors import FingerprintMismatch
 
     # The service goes away during the run and its retries reach it back up, now
-    # serving another model of the same size (a restart with another --model-id).
-    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
+    # serving another model (a restart with another --model-id).
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=dims, seed=7)) as other:
         upstream = httpx2.Client()
         current = [harness.url]
         posts = [0]
@@ -125,7 +136,8 @@ def test_a_service_back_as_another_model_mid_run_is_refused_before_it_writes(
                 posts[0] += 1
                 if posts[0] == 2:  # the canary went to the first model; then it restarts
                     current[0] = other.url
-                    raise httpx2.ConnectError("connection refused", request=request)
+                    if goes_down:
+                        raise httpx2.ConnectError("connection refused", request=request)
             answer = upstream.request(
                 request.method,
                 current[0] + request.url.path,
@@ -135,11 +147,12 @@ def test_a_service_back_as_another_model_mid_run_is_refused_before_it_writes(
             return httpx2.Response(answer.status_code, content=answer.content)
 
         try:
-            with pytest.raises(Refused) as refused:
+            with pytest.raises(FingerprintMismatch) as refused:
                 harness.run(transport=httpx2.MockTransport(proxy))
         finally:
             upstream.close()
-    assert "unreachable or down during the run" in "; ".join(refused.value.__notes__)
+    assert said in "; ".join(refused.value.__notes__)
+    assert f"({dims}d," in str(refused.value)  # the model it now serves, named
     assert harness.points() == {}  # nothing the other model made was written
     report = harness.run()  # the first model again: the run writes everything
     assert report.failures == [] and report.documents_embedded == len(CORPUS)

@@ -153,14 +153,18 @@ class _FirstEmbedStalls(httpx2.HTTPTransport):
     """A real local_tei behind a network where the first embedding request's answer
     never comes (a read timeout: a stall, once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_s: float = 0.0) -> None:
         super().__init__()
-        self.stalled = 0
+        self.after_s = after_s  # how long the stalled request waits before timing out
+        self.stalled = self.sent = 0
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.url.path.endswith("embeddings") and not self.stalled:
-            self.stalled += 1
-            raise httpx2.ReadTimeout("timed out", request=request)
+        if request.url.path.endswith("embeddings"):
+            self.sent += 1
+            if not self.stalled:
+                self.stalled += 1
+                time.sleep(self.after_s)
+                raise httpx2.ReadTimeout("timed out", request=request)
         return super().handle_request(request)
 
 
@@ -181,6 +185,26 @@ def test_one_stall_of_a_lone_request_is_sent_again_not_the_runs_end() -> None:
             [result] = client.embed_passages([_passage(1)], documents=["notes/a.md"])
     assert network.stalled == 1
     assert isinstance(result, list) and isinstance(result[0], EmbeddedPart)
+
+
+def test_a_stall_during_a_stop_is_not_sent_again() -> None:
+    # Review: cancel_pending() (a stopping ingest) did not stop the lone retry, so a
+    # stopping run sent one more request, which may take QUARRY_EMBED_TIMEOUT.
+    network = _FirstEmbedStalls(after_s=1.0)
+    with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
+        with EmbeddingClient(
+            service.url,
+            transport=network,
+            concurrency=1,
+            timeout=5,
+            retry=RetryPolicy(budget=0),
+            dialect="openai",
+        ) as client:
+            _ = client.info
+            threading.Timer(0.3, client.cancel_pending).start()
+            with pytest.raises(CancelledError):
+                client.embed_passages([_passage(1)], documents=["notes/a.md"])
+    assert network.sent == 1
 
 
 def _slow_per_token_service() -> LocalTEIServer:

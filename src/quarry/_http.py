@@ -250,10 +250,9 @@ def parse_retry_after(value: str | None) -> float | None:
     except ValueError:
         pass
     try:
-        parsed = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):  # neither: as if there were none (review: it crashed)
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):  # neither: as if there were none
         return None
-    return max(0.0, parsed.timestamp() - time.time())
 
 
 _HTML_PAGE = re.compile(

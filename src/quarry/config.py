@@ -7,6 +7,7 @@ down; no module keeps settings or clients at import time.
 from __future__ import annotations
 
 import difflib
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -130,6 +131,15 @@ def http_url(value: str) -> str:
     url = value.strip().rstrip("/")
     if not url.lower().startswith(("http://", "https://")):
         raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    # Checked here, so a bad host or port is a setting's error and names the variable
+    # (review: the Qdrant client failed on it later, as if the service had).
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port out of range or not a number
+    except ValueError as error:
+        raise ValueError(f"{url!r} is not a valid URL: {error}") from None
+    if not parts.hostname or any(c.isspace() for c in parts.netloc):
+        raise ValueError(f"{url!r} has no valid host")
     return url
 
 

@@ -56,6 +56,7 @@ from quarry.errors import (
     RequestRejected,
     ServiceError,
     ServiceUnavailable,
+    VectorsOfAnotherSize,
 )
 from quarry.prompts import ProfileName, PromptProfile, profile_for_model
 
@@ -110,9 +111,9 @@ class ServiceInfo:
     def from_tei(cls, url: str, info: dict[str, Any]) -> ServiceInfo:
         """Parse TEI's ``/info`` body; BadResponse when its model name is not text (a
         collection would be created for a model named ``5``, refusing the real one)."""
-        for key in ("model_id", "served_model_name"):
-            if info.get(key) is not None and not isinstance(info[key], str):
-                raise BadResponse(f"{url}/info", f"{key} is {info[key]!r:.40}, not a model name")
+        key = "model_id" if info.get("model_id") is not None else "served_model_name"
+        if info.get(key) is not None and not isinstance(info[key], str):
+            raise BadResponse(f"{url}/info", f"{key} is {info[key]!r:.40}, not a model name")
         model_type = info.get("model_type") or {}
         pooling = None
         if isinstance(model_type, dict):
@@ -634,6 +635,7 @@ class EmbeddingClient:
         """One embedding request, paced (see quarry._pacing): a request that timed out
         behind others is sent again with fewer in flight."""
         pacer = self._pacer()
+        cancelled = self._cancelled  # cancel_pending() puts a fresh one in its place
         alone_before = False  # this batch already timed out once with no other in flight
         while True:
             with pacer.slot() as depth:
@@ -641,15 +643,23 @@ class EmbeddingClient:
                     self.requests_sent += 1
                 started = time.monotonic()
                 try:
-                    if self.dialect == "tei":
-                        vectors = self._post_tei(texts, documents, unit)
-                    else:
-                        vectors = self._post_openai(texts, documents, unit)
-                    if unit:  # raw probes (the canary) are judged by the fingerprint
-                        self._check_width(vectors, documents)
+                    try:
+                        if self.dialect == "tei":
+                            vectors = self._post_tei(texts, documents, unit)
+                        else:
+                            vectors = self._post_openai(texts, documents, unit)
+                    except UnusableEmbeddings as unusable:
+                        if unit:  # the usable ones must be of the index's size too
+                            self._check_width(unusable.width, documents)
+                        raise
+                    if unit and vectors.size:  # raw probes (the canary): the fingerprint's
+                        self._check_width(vectors.shape[1], documents)
                 except TransientFailure as error:
                     if not error.timed_out:
                         raise
+                    if cancelled.done():  # a stopping run: nobody waits for it to be resent
+                        stopping = f"{error.url}: abandoned, the run is stopping"
+                        raise CancelledError(stopping) from error
                     if not pacer.timed_out(depth):
                         if alone_before:
                             raise ServiceUnavailable(
@@ -683,14 +693,13 @@ class EmbeddingClient:
             pacer.answered(time.monotonic() - started, depth, full=full)
             return vectors
 
-    def _check_width(self, vectors: npt.NDArray[np.float32], documents: Sequence[str]) -> None:
-        """BadResponse when a batch's vectors are not of :attr:`dimensions` (review: a
-        whole batch of another size reached Qdrant, which was blamed for it)."""
-        if self.dimensions is not None and vectors.size and vectors.shape[1] != self.dimensions:
-            raise BadResponse(
+    def _check_width(self, width: int, documents: Sequence[str]) -> None:
+        """VectorsOfAnotherSize when ``width`` is not :attr:`dimensions` (review: a whole
+        batch of another size reached Qdrant, which was blamed for it)."""
+        if self.dimensions is not None and width != self.dimensions:
+            raise VectorsOfAnotherSize(
                 f"{self.base_url}/{'embed' if self.dialect == 'tei' else 'v1/embeddings'}",
-                f"answered vectors of {vectors.shape[1]} dimensions, where the model's have "
-                f"{self.dimensions}",
+                f"answered vectors of {width} dimensions, where the model's have {self.dimensions}",
                 documents=documents,
             )
 
@@ -899,6 +908,8 @@ class UnusableEmbeddings(BadResponse):
         self.vectors: list[Vector | None] = [
             vector if ok else None for vector, ok in zip(vectors, usable, strict=True)
         ]
+        # The size the usable vectors share (they were made one matrix).
+        self.width = len(vectors[0]) if len(vectors) else 0
 
     def failure(self, document: str) -> EmbedFailure:
         """The failure of one bad input, naming ``document``."""

@@ -16,6 +16,7 @@ can be traced to its cause without a debugger::
     │   │   │   └── QueryTooLong    the query itself is too long (model or reranker)
     │   │   └── DialectMismatch     the service speaks another API dialect
     │   └── BadResponse             the service answered something unparseable
+    │       └── VectorsOfAnotherSize  vectors not of the index's size (another model?)
     ├── StoreError                  Qdrant (has ``collection``)
     │   ├── StoreLocked             another quarry process holds the index or its writers' slot
     │   └── WriteFailed             an upsert or delete was not acknowledged
@@ -118,6 +119,11 @@ class DialectMismatch(RequestRejected):
 
 class BadResponse(ServiceError):
     """The service answered with something that is not what its API promises."""
+
+
+class VectorsOfAnotherSize(BadResponse):
+    """Passage vectors not of the size the index takes: a fault, or another model
+    behind the same URL (an ingest then judges the model again, and refuses it)."""
 
 
 class StoreError(QuarryError):

@@ -42,6 +42,7 @@ from quarry.errors import (
     QuarryError,
     SourceNotFound,
     StoreUnavailable,
+    VectorsOfAnotherSize,
     WriteFailed,
 )
 from quarry.fingerprint import (
@@ -393,20 +394,21 @@ class IndexSync:
             self.fingerprint = live
             self._stored = None
 
-    def judge_after_interruption(self) -> None:
+    def judge_after_interruption(self, *, because: str | None = None) -> None:
         """Judge the model again if the embedding service was unreachable or down since it
         was last judged: a restart may have brought it back as another model (an image
         or ``--model-id`` changed while a run was under way), whose vectors must not be
         written beside the ones already stored. Raises as :meth:`verify_canary` does,
         before the batch that saw it writes anything; every later call raises the same.
+        ``because`` judges it whatever the interruptions, and says why in the refusal.
         """
-        if self.embedder.interruptions == self._interruptions_judged:
+        if because is None and self.embedder.interruptions == self._interruptions_judged:
             return
         with self._canary_lock:
             if self._canary_error is not None:
                 raise self._canary_error
             seen = self.embedder.interruptions
-            if seen == self._interruptions_judged:
+            if because is None and seen == self._interruptions_judged:
                 return  # another batch judged it meanwhile
             against = self._judged_against
             assert against is not None, "prepare() must run first"
@@ -416,12 +418,25 @@ class IndexSync:
                 self._check(against, live)
             except QuarryError as error:
                 error.add_note(
-                    "the embedding service was unreachable or down during the run and came "
-                    "back serving this; nothing embedded since then was written"
+                    because
+                    or "the embedding service was unreachable or down during the run and "
+                    "came back serving this; nothing embedded since then was written"
                 )
                 self._canary_error = error
                 raise
             self._interruptions_judged = seen
+
+    def _embed(self, texts: list[str], documents: list[str]) -> list[EmbedResult]:
+        """Embed passages; vectors of another size than the index's get the model judged
+        again (another model behind the URL is refused, naming it), else fail as they are."""
+        try:
+            return self.embedder.embed_passages(texts, documents=documents)
+        except VectorsOfAnotherSize:
+            self.judge_after_interruption(
+                because="the embedding service answered vectors of another size during the "
+                "run, serving this; nothing embedded since then was written"
+            )
+            raise
 
     def _check(self, stored: Fingerprint, live: Fingerprint) -> None:
         check_compatible(
@@ -668,7 +683,7 @@ class IndexSync:
         if texts:
             self.verify_canary()
         try:
-            embedded = iter(self.embedder.embed_passages(texts, documents=owners))
+            embedded = iter(self._embed(texts, owners))
         except Exception:  # CancelledError among them
             if self._stopping.is_set():  # cancelled by stop(), or a client closed since
                 return result
@@ -810,9 +825,7 @@ class IndexSync:
             if missing:
                 self.verify_canary()
             try:
-                embedded = iter(
-                    self.embedder.embed_passages(missing, documents=[document.uri] * len(missing))
-                )
+                embedded = iter(self._embed(missing, [document.uri] * len(missing)))
                 if missing and not self._stopping.is_set():
                     self.judge_after_interruption()
             except Exception:  # CancelledError among them
