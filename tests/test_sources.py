@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from pypdf import PdfWriter
-from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
+from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject, StreamObject
 
 from quarry.chunking import Chunker
 from quarry.documents import Document, doc_id_for
@@ -38,8 +38,9 @@ from tests.conftest import write_corpus
 # Fixtures
 
 
-def make_pdf(pages: list[str], title: str | None = None) -> bytes:
-    """A small PDF with one Helvetica text line per input line, made with pypdf."""
+def make_pdf(pages: list[str], title: str | None = None, corrupt: int | None = None) -> bytes:
+    """A small PDF with one Helvetica text line per input line, made with pypdf; page
+    number ``corrupt`` (from 1) has a Flate stream that will not decompress."""
     writer = PdfWriter()
     font = DictionaryObject(
         {
@@ -58,6 +59,10 @@ def make_pdf(pages: list[str], title: str | None = None) -> bytes:
         ops.append("ET")
         stream = DecodedStreamObject()
         stream.set_data("\n".join(ops).encode("latin-1"))
+        if corrupt == len(writer.pages):
+            stream = StreamObject()
+            stream.set_data(b"x\x9cBROKENBROKENBROK")
+            stream[NameObject("/Filter")] = NameObject("/FlateDecode")
         page[NameObject("/Contents")] = writer._add_object(stream)
         page[NameObject("/Resources")] = DictionaryObject(
             {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font_ref})}
@@ -241,6 +246,50 @@ def test_pdf_keeps_page_numbers(tree: Path) -> None:
     assert "Page two text" in pages[1].text
     assert {d.title for d in pages} == {"Report"}
     assert pages[0].metadata["content_type"] == "application/pdf"
+
+
+@pytest.mark.parametrize("repeat", [1, 20], ids=["short", "long"])
+def test_html_is_read_in_the_charset_it_declares(tmp_path: Path, repeat: int) -> None:
+    # Review: a Latin-2 page that said so in <meta charset> was detected as Latin-6
+    # ("Ģódž to miasto") or cp1250; browsers read what the page declares.
+    body = "Zażółć gęślą jaźń. Łódź to miasto w Polsce. " * repeat
+    for head in (
+        '<meta charset="iso-8859-2">',
+        '<meta http-equiv="Content-Type" content="text/html; charset=ISO-8859-2">',
+    ):
+        page = f"<html><head>{head}<title>Łódź</title></head><body><p>{body}</p></body></html>"
+        (tmp_path / "pl.html").write_bytes(page.encode("iso8859_2"))
+        [doc] = load_document(tmp_path / "pl.html", open_source(tmp_path))
+        assert (doc.title, doc.metadata["encoding"]) == ("Łódź", "iso8859-2"), head
+        assert "Łódź to miasto w Polsce" in doc.text
+    # A page in UTF-8 that declares another charset is read as the UTF-8 it is.
+    page = f'<html><head><meta charset="iso-8859-2"></head><body><p>{body}</p></body></html>'
+    (tmp_path / "pl.html").write_bytes(page.encode("utf-8"))
+    [doc] = load_document(tmp_path / "pl.html", open_source(tmp_path))
+    assert "Łódź" in doc.text and "encoding" not in doc.metadata
+
+
+def test_a_byte_order_mark_keeps_the_html_title_out_of_the_text(tmp_path: Path) -> None:
+    # Review: the mark, left in, was text before <html> to the parser, which then put
+    # the head's <title> in the body.
+    page = "<!doctype html><html><head><title>My Page</title></head><body><p>Body text</p>"
+    (tmp_path / "p.html").write_bytes(b"\xef\xbb\xbf" + page.encode())
+    [doc] = load_document(tmp_path / "p.html", open_source(tmp_path))
+    assert (doc.title, doc.text) == ("My Page", "Body text\n")
+
+
+def test_an_html_title_falls_back_to_the_pages_first_h1_outside_main_too() -> None:
+    html = "<body><header><h1>Real Page Title</h1></header><main><p>Words.</p></main></body>"
+    assert html_to_text(html) == ("Real Page Title", "Words.\n")
+
+
+def test_deeply_nested_html_lists_are_indented_only_so_far() -> None:
+    # Review: two spaces per level without end made 76 KB of nested lists 16 MB of
+    # text, nearly all spaces, which an ingest would have embedded.
+    _, text = html_to_text("<ul><li>x" * 3000 + "</li></ul>" * 3000)
+    lines = text.splitlines()
+    assert len(lines) == 3000 and {line.strip() for line in lines} == {"- x"}
+    assert max(len(line) for line in lines) == len("  " * 8 + "- x")
 
 
 def test_html_keeps_title_and_main_text_only() -> None:
@@ -484,6 +533,20 @@ def test_truncated_pdf_is_reported_and_the_run_goes_on(tree: Path) -> None:
     assert [f.uri for f in failures] == ["docs/broken.pdf"]
     assert "broken PDF" in failures[0].error
     assert len(docs) == 6  # every other file still loaded
+
+
+def test_a_pdf_page_that_will_not_decompress_fails_the_file_naming_the_page(tree: Path) -> None:
+    # Review: pypdf logs the zlib error and goes on, so the page read as empty; a sync
+    # then deleted what the index held of it, reporting nothing.
+    (tree / "torn.pdf").write_bytes(make_pdf(["Page one text", "Page two", "Three"], corrupt=2))
+    docs, failures = documents(open_source(tree))
+    assert [f.uri for f in failures] == ["docs/torn.pdf"]
+    assert "broken PDF (page 2: Error -3 while decompressing" in failures[0].error
+    assert len(docs) == 6
+    # The handler is the load's alone: a good PDF afterwards reads as ever.
+    (tree / "torn.pdf").write_bytes(make_pdf(["Page one text", "Page two", "Three"]))
+    docs, failures = documents(open_source(tree))
+    assert failures == [] and len(docs) == 9
 
 
 def test_pdf_cut_anywhere_never_raises_anything_else(tmp_path: Path) -> None:

@@ -27,8 +27,10 @@ from __future__ import annotations
 import codecs
 import errno
 import io
+import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
@@ -1175,6 +1177,8 @@ def _load_file(
     content_type = _content_type(path)
     if content_type == "application/pdf":
         return _load_pdf(data, uri, path, stamp)
+    if encoding is None and content_type == "text/html":
+        encoding = html_declared_charset(data)  # used where the bytes are not UTF-8
     raw, found = decode_text(data, uri, declared=encoding)
     extra: dict[str, Any] = {} if found in ("utf-8", "utf-8-sig") else {"encoding": found}
     if content_type == "text/html":
@@ -1262,7 +1266,36 @@ def join_hyphenated_lines(text: str) -> str:
     return _LINE_END_HYPHEN.sub(join, text)
 
 
+class _StreamErrors(logging.Handler):
+    """pypdf's warnings, in this thread, that a stream would not decompress: pypdf then
+    goes on with what it could recover (often nothing), and the page reads as empty."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.thread = threading.get_ident()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.messages.append(record.getMessage())
+
+
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
+    """A PDF's pages with text, one document each. A page whose content could not be
+    decompressed fails the whole file (review: it read as an empty page, and the sync
+    deleted what the index held of it)."""
+    stream_errors = _StreamErrors()
+    filters = logging.getLogger("pypdf.filters")
+    filters.addHandler(stream_errors)
+    try:
+        return _read_pdf(data, uri, path, stamp, stream_errors.messages)
+    finally:
+        filters.removeHandler(stream_errors)
+
+
+def _read_pdf(
+    data: bytes, uri: str, path: Path, stamp: FileStamp, stream_errors: list[str]
+) -> list[Document]:
     from pypdf import PdfReader
 
     # The marker ends the file, give or take trailing whitespace (some tools pad with it).
@@ -1282,7 +1315,7 @@ def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Docum
                 meta_title = str(info.title).strip()
         except Exception:
             meta_title = ""
-        pages = []
+        pages: list[str] = []
         budget = max(_PDF_CONTENT_FLOOR, _PDF_CONTENT_PER_BYTE * len(data))
         content = extracted = 0
 
@@ -1302,6 +1335,8 @@ def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Docum
             if content > budget:
                 raise _fail(uri, _bomb(f"pages decompress to over {budget} bytes", len(data)))
             text = normalise_text(page.extract_text(visitor_text=count_text) or "")
+            if stream_errors:
+                raise _fail(uri, f"broken PDF (page {len(pages) + 1}: {stream_errors[0]})")
             pages.append(join_hyphenated_lines(text))
             if extracted > budget:  # pypdf logs and goes on after an error inside a form
                 raise _TooMuchText
@@ -1766,7 +1801,10 @@ def _render(root: Any, out: _HtmlText, *, page_furniture: bool = False) -> None:
             if tag in ("ul", "ol"):
                 lists.append([1 if tag == "ol" else 0, _list_start(node) if tag == "ol" else 1])
             elif tag == "li":
-                indent = "  " * (len(lists) - 1) if lists else ""  # a nested list is indented
+                # A nested list is indented, up to _LIST_INDENT_LEVELS deep (review: 20,000
+                # nested lists made 16 MB of spaces out of 76 KB, all to be embedded).
+                depth = min(len(lists) - 1, _LIST_INDENT_LEVELS) if lists else 0
+                indent = "  " * depth
                 if lists and lists[-1][0]:
                     out.prefix = f"{indent}{lists[-1][1]}. "
                     lists[-1][1] += 1
@@ -1863,6 +1901,32 @@ def _page_title(tree: Any) -> Any:
     return None
 
 
+_HTML_CHARSET = re.compile(
+    rb"""<meta\s[^>]*?charset\s*=\s*["']?\s*([A-Za-z0-9._:-]+)"""
+    rb"""|<\?xml\s[^>]*?encoding\s*=\s*["']([A-Za-z0-9._:-]+)""",
+    re.I,
+)
+
+
+def html_declared_charset(data: bytes) -> str | None:
+    """The charset an HTML page declares in its first 1024 bytes (``<meta charset>``,
+    ``http-equiv`` Content-Type, an XML declaration), as a Python codec name; None if
+    none, or one Python does not know. Labels of Latin-1 and ASCII read as
+    windows-1252, as browsers read them (the WHATWG Encoding Standard)."""
+    match = _HTML_CHARSET.search(data[:1024])
+    if match is None:
+        return None
+    label = (match.group(1) or match.group(2)).decode("ascii").lower()
+    try:
+        name = codecs.lookup(label).name
+    except LookupError:
+        return None
+    return "cp1252" if name in ("latin-1", "iso8859-1", "ascii") else name
+
+
+_LIST_INDENT_LEVELS = 8
+
+
 def html_to_text(html: str) -> tuple[str, str]:
     """The title and main text of an HTML page, as markdown-ish text.
 
@@ -1877,7 +1941,9 @@ def html_to_text(html: str) -> tuple[str, str]:
     """
     from selectolax.lexbor import LexborHTMLParser
 
-    tree = LexborHTMLParser(html)
+    # A byte order mark left in (a file read as UTF-8) is text before <html> to the
+    # parser, which then moved the head's <title> into the body text.
+    tree = LexborHTMLParser(html.removeprefix("\ufeff"))
     title = ""
     title_node = _page_title(tree)
     if title_node is not None:
@@ -1894,7 +1960,8 @@ def html_to_text(html: str) -> tuple[str, str]:
         _render(tree.body, out)
         text = out.text()
     if not title:
-        h1 = main.css_first("h1")
+        # The main text's first <h1>, else the page's (one in a <header> above <main>).
+        h1 = main.css_first("h1") or tree.css_first("h1")
         if h1 is not None:
             title = _SPACE_RUN.sub(" ", h1.text(deep=True) or "").replace("¶", "").strip()
     return title, text
