@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,9 +39,12 @@ from tests.conftest import write_corpus
 # Fixtures
 
 
-def make_pdf(pages: list[str], title: str | None = None, corrupt: int | None = None) -> bytes:
+def make_pdf(
+    pages: list[str], title: str | None = None, corrupt: int | None = None, hex_page: int = 0
+) -> bytes:
     """A small PDF with one Helvetica text line per input line, made with pypdf; page
-    number ``corrupt`` (from 1) has a Flate stream that will not decompress."""
+    number ``corrupt`` (from 1) has a Flate stream that will not decompress, page
+    ``hex_page`` an ASCIIHex one without its end marker (pypdf warns, loses nothing)."""
     writer = PdfWriter()
     font = DictionaryObject(
         {
@@ -63,6 +67,10 @@ def make_pdf(pages: list[str], title: str | None = None, corrupt: int | None = N
             stream = StreamObject()
             stream.set_data(b"x\x9cBROKENBROKENBROK")
             stream[NameObject("/Filter")] = NameObject("/FlateDecode")
+        elif hex_page == len(writer.pages):
+            stream = StreamObject()
+            stream.set_data("\n".join(ops).encode("latin-1").hex().encode())
+            stream[NameObject("/Filter")] = NameObject("/ASCIIHexDecode")
         page[NameObject("/Contents")] = writer._add_object(stream)
         page[NameObject("/Resources")] = DictionaryObject(
             {NameObject("/Font"): DictionaryObject({NameObject("/F1"): font_ref})}
@@ -262,6 +270,27 @@ def test_html_is_read_in_the_charset_it_declares(tmp_path: Path, repeat: int) ->
         [doc] = load_document(tmp_path / "pl.html", open_source(tmp_path))
         assert (doc.title, doc.metadata["encoding"]) == ("Łódź", "iso8859-2"), head
         assert "Łódź to miasto w Polsce" in doc.text
+    # Review: only the page's own charset declaration counts (not a description that
+    # mentions one, nor one commented out), and it is read as browsers read it.
+    for head in (
+        '<meta name="description" content="set charset=iso-8859-1">',
+        '<!-- <meta charset="iso-8859-1"> -->',
+    ):
+        page = f"<html><head>{head}<meta charset=windows-1251><title>Тест</title></head>"
+        (tmp_path / "ru.html").write_bytes(page.encode("cp1251") + "<p>Текст.</p>".encode("cp1251"))
+        [doc] = load_document(tmp_path / "ru.html", open_source(tmp_path))
+        assert doc.title == "Тест", head
+    page = "<html><head><meta charset=gb2312><title>中文</title></head><p>测试 镕。</p>"
+    (tmp_path / "zh.html").write_bytes(page.encode("gbk"))  # 镕 is GBK's, not GB2312's
+    [doc] = load_document(tmp_path / "zh.html", open_source(tmp_path))
+    assert "测试 镕" in doc.text
+    # A page mislabelled (a template's utf-8, its text in cp1252) is read as detected.
+    page = (
+        f'<html><head><meta charset="utf-8"><title>Café</title></head><p>{"Déjà vu à côté. " * 9}'
+    )
+    (tmp_path / "fr.html").write_bytes(page.encode("cp1252"))
+    [doc] = load_document(tmp_path / "fr.html", open_source(tmp_path))
+    assert doc.title == "Café" and "Déjà vu" in doc.text
     # A page in UTF-8 that declares another charset is read as the UTF-8 it is.
     page = f'<html><head><meta charset="iso-8859-2"></head><body><p>{body}</p></body></html>'
     (tmp_path / "pl.html").write_bytes(page.encode("utf-8"))
@@ -281,6 +310,15 @@ def test_a_byte_order_mark_keeps_the_html_title_out_of_the_text(tmp_path: Path) 
 def test_an_html_title_falls_back_to_the_pages_first_h1_outside_main_too() -> None:
     html = "<body><header><h1>Real Page Title</h1></header><main><p>Words.</p></main></body>"
     assert html_to_text(html) == ("Real Page Title", "Words.\n")
+    # Not one the text drops (review: "Menu", "Cookie settings", "Related posts").
+    for dropped in (
+        "<nav><h1>Menu</h1></nav>",
+        "<div hidden><h1>Cookies</h1></div>",
+        "<aside><h1>Related</h1></aside>",
+        '<h1 style="display:none">S</h1>',
+    ):
+        html = f"<body>{dropped}<main><p>Words.</p></main></body>"
+        assert html_to_text(html) == ("", "Words.\n"), dropped
 
 
 def test_deeply_nested_html_lists_are_indented_only_so_far() -> None:
@@ -543,10 +581,22 @@ def test_a_pdf_page_that_will_not_decompress_fails_the_file_naming_the_page(tree
     assert [f.uri for f in failures] == ["docs/torn.pdf"]
     assert "broken PDF (page 2: Error -3 while decompressing" in failures[0].error
     assert len(docs) == 6
-    # The handler is the load's alone: a good PDF afterwards reads as ever.
-    (tree / "torn.pdf").write_bytes(make_pdf(["Page one text", "Page two", "Three"]))
+    # Said however quiet the logging is made (Prefect's PREFECT_LOGGING_ROOT_LEVEL).
+    root, filters = logging.getLogger(), logging.getLogger("pypdf.filters")
+    levels = root.level, filters.level
+    try:
+        root.setLevel(logging.ERROR)
+        filters.setLevel(logging.NOTSET)
+        assert [f.uri for f in documents(open_source(tree))[1]] == ["docs/torn.pdf"]
+    finally:
+        root.setLevel(levels[0])
+        filters.setLevel(levels[1])
+    # The handler is the load's alone: a good PDF afterwards reads as ever, and so does
+    # one pypdf warns about without losing anything (review: it failed as broken).
+    (tree / "torn.pdf").write_bytes(make_pdf(["Page one text", "Page two", "Three"], hex_page=2))
     docs, failures = documents(open_source(tree))
     assert failures == [] and len(docs) == 9
+    assert "Page two" in {d.text.strip() for d in docs}
 
 
 def test_pdf_cut_anywhere_never_raises_anything_else(tmp_path: Path) -> None:

@@ -72,8 +72,11 @@ DEFAULT_MAX_FILE_BYTES = 20 * 1024 * 1024
 # apart, nested ones indented, <ol start> kept. 4: PDF words hyphenated at a line end
 # are joined; ISO-2022 text read by its escapes; Greek and Hebrew code pages told apart
 # by the letters they read; HTML ruby readings (<rt>) dropped; BOM-less UTF-16 of one
-# script (Cyrillic, Greek) is text, not binary.
-LOADER_VERSION = 4
+# script (Cyrillic, Greek) is text, not binary. 5: markdown titles skip headings in HTML
+# comments, and front matter needs a non-blank line after its "---"; HTML in its declared
+# charset, no BOM before the parser, an <h1> outside <main> as the title, lists indented
+# 8 levels at most; a PDF page that will not decompress fails its file.
+LOADER_VERSION = 5
 
 # Content types by extension. A fixed table, not the mimetypes module: the
 # content type is indexed metadata, so it must not depend on the machine.
@@ -1177,9 +1180,13 @@ def _load_file(
     content_type = _content_type(path)
     if content_type == "application/pdf":
         return _load_pdf(data, uri, path, stamp)
-    if encoding is None and content_type == "text/html":
-        encoding = html_declared_charset(data)  # used where the bytes are not UTF-8
-    raw, found = decode_text(data, uri, declared=encoding)
+    hint = html_declared_charset(data) if encoding is None and content_type == "text/html" else None
+    try:  # a page's own charset is a hint (templates mislabel): detection, if it fails
+        raw, found = decode_text(data, uri, declared=encoding or hint)
+    except UnreadableDocument:
+        if hint is None:
+            raise
+        raw, found = decode_text(data, uri)
     extra: dict[str, Any] = {} if found in ("utf-8", "utf-8-sig") else {"encoding": found}
     if content_type == "text/html":
         try:
@@ -1276,8 +1283,11 @@ class _StreamErrors(logging.Handler):
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.thread == self.thread:
-            self.messages.append(record.getMessage())
+        # zlib's own errors only ("Error -3 while decompressing data: ..."): pypdf's other
+        # warnings there (a missing end marker, odd parameters) lose nothing.
+        message = record.getMessage()
+        if record.thread in (self.thread, None) and message.startswith("Error -"):
+            self.messages.append(message)
 
 
 def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Document]:
@@ -1286,6 +1296,8 @@ def _load_pdf(data: bytes, uri: str, path: Path, stamp: FileStamp) -> list[Docum
     deleted what the index held of it)."""
     stream_errors = _StreamErrors()
     filters = logging.getLogger("pypdf.filters")
+    if filters.getEffectiveLevel() > logging.WARNING:  # a quieter root would hide them
+        filters.setLevel(logging.WARNING)
     filters.addHandler(stream_errors)
     try:
         return _read_pdf(data, uri, path, stamp, stream_errors.messages)
@@ -1901,30 +1913,84 @@ def _page_title(tree: Any) -> Any:
     return None
 
 
-_HTML_CHARSET = re.compile(
-    rb"""<meta\s[^>]*?charset\s*=\s*["']?\s*([A-Za-z0-9._:-]+)"""
-    rb"""|<\?xml\s[^>]*?encoding\s*=\s*["']([A-Za-z0-9._:-]+)""",
-    re.I,
+_HTML_PRESCAN_SKIP = re.compile(rb"<!--.*?(?:-->|$)|<script\b.*?(?:</script\s*>|$)", re.I | re.S)
+_HTML_META = re.compile(rb"<meta\s([^>]*)>?", re.I)
+_HTML_ATTRIBUTE = re.compile(rb"""([a-z][a-z0-9_:-]*)\s*=\s*("[^"]*"|'[^']*'|[^\s"'>]+)""", re.I)
+_XML_ENCODING = re.compile(rb"""<\?xml\s[^>]*?encoding\s*=\s*["']([A-Za-z0-9._:-]+)""", re.I)
+_CONTENT_CHARSET = re.compile(rb"charset\s*=\s*[\"']?\s*([A-Za-z0-9._:-]+)", re.I)
+# What browsers read a label as (the WHATWG Encoding Standard): the supersets real pages
+# use under the older names; a UTF-16 label in a byte-per-character page means UTF-8.
+_BROWSER_READS = {
+    "latin-1": "cp1252",
+    "iso8859-1": "cp1252",
+    "ascii": "cp1252",
+    "iso8859-9": "cp1254",
+    "iso8859-11": "cp874",
+    "tis-620": "cp874",
+    "gb2312": "gb18030",
+    "gbk": "gb18030",
+    "shift_jis": "cp932",
+    "euc_kr": "cp949",
+    "big5": "big5hkscs",
+    "utf-16": "utf-8",
+    "utf-16-le": "utf-8",
+    "utf-16-be": "utf-8",
+    "utf-32": "utf-8",
+}
+# Codecs Python knows that no page is written in (escapes, transforms, UTF-7).
+_NOT_PAGE_ENCODINGS = frozenset(
+    {"utf-7", "unicode-escape", "raw-unicode-escape", "punycode", "idna", "undefined"}
 )
 
 
 def html_declared_charset(data: bytes) -> str | None:
-    """The charset an HTML page declares in its first 1024 bytes (``<meta charset>``,
-    ``http-equiv`` Content-Type, an XML declaration), as a Python codec name; None if
-    none, or one Python does not know. Labels of Latin-1 and ASCII read as
-    windows-1252, as browsers read them (the WHATWG Encoding Standard)."""
-    match = _HTML_CHARSET.search(data[:1024])
-    if match is None:
+    """The charset an HTML page declares in its first 1024 bytes, as browsers find it
+    (``<meta charset>``, ``http-equiv`` Content-Type, an XML declaration; comments and
+    scripts skipped), as the Python codec browsers would read it with; None for none,
+    or a label Python does not know as a text encoding."""
+    head = _HTML_PRESCAN_SKIP.sub(b"", data[:1024])
+    label: bytes | None = None
+    for meta in _HTML_META.finditer(head):
+        attributes = {
+            name.lower(): value.strip(b"\"'")
+            for name, value in _HTML_ATTRIBUTE.findall(meta.group(1))
+        }
+        if b"charset" in attributes:
+            label = attributes[b"charset"]
+        elif attributes.get(b"http-equiv", b"").lower() == b"content-type":
+            found = _CONTENT_CHARSET.search(attributes.get(b"content", b""))
+            label = found.group(1) if found else None
+        if label:
+            break
+    if not label:
+        xml = _XML_ENCODING.search(head)
+        label = xml.group(1) if xml else None
+    if not label:
         return None
-    label = (match.group(1) or match.group(2)).decode("ascii").lower()
     try:
-        name = codecs.lookup(label).name
+        info = codecs.lookup(label.decode("ascii", "replace").strip().lower())
     except LookupError:
         return None
-    return "cp1252" if name in ("latin-1", "iso8859-1", "ascii") else name
+    if not getattr(info, "_is_text_encoding", True) or info.name in _NOT_PAGE_ENCODINGS:
+        return None
+    return _BROWSER_READS.get(info.name, info.name)
 
 
 _LIST_INDENT_LEVELS = 8
+
+
+def _shown_h1(tree: Any) -> Any:
+    """The page's first ``<h1>`` that is shown and not in navigation, an aside or a
+    footer (a site's header holds the page's title often enough); None if none."""
+    for h1 in tree.css("h1"):
+        node = h1
+        while node is not None and node.tag not in ("body", "html"):
+            if node.tag in ("nav", "aside", "footer", "noscript") or _dropped(node):
+                break
+            node = node.parent
+        else:
+            return h1
+    return None
 
 
 def html_to_text(html: str) -> tuple[str, str]:
@@ -1961,7 +2027,7 @@ def html_to_text(html: str) -> tuple[str, str]:
         text = out.text()
     if not title:
         # The main text's first <h1>, else the page's (one in a <header> above <main>).
-        h1 = main.css_first("h1") or tree.css_first("h1")
+        h1 = main.css_first("h1") or _shown_h1(tree)
         if h1 is not None:
             title = _SPACE_RUN.sub(" ", h1.text(deep=True) or "").replace("¶", "").strip()
     return title, text
