@@ -117,8 +117,7 @@ def _say_when_stopped(
         if previous is not None:  # a second signal ends the process as it would have
             signal.signal(signal.SIGTERM, previous)
             previous = None
-        sys.stderr.write(f"\nquarry: error: {said}\n")
-        sys.stderr.flush()
+        _say_stopped(said)
         if on_stop is not None:
             on_stop(code, said)
         if exit_now:
@@ -156,8 +155,7 @@ def _stop_on_signals(
             on_stop(code, said)
 
     def exit_now(code: int) -> None:
-        sys.stderr.write(f"\nquarry: error: {said}\n")
-        sys.stderr.flush()
+        _say_stopped(said)
         tell(code)
         sys.stdout.flush()
         _stop_embedded_prefect_server()
@@ -185,8 +183,7 @@ def _stop_on_signals(
         # Cleaned up: the exit status still says which signal stopped the run (the
         # command line turns a KeyboardInterrupt into 130, SIGINT's).
         if received:
-            sys.stderr.write(f"quarry: error: {said}\n")
-            sys.stderr.flush()
+            _say_stopped(said)
         tell(128 + (received[0] if received else signal.SIGINT))
         if received and received[0] != signal.SIGINT:
             raise SystemExit(128 + received[0]) from None
@@ -195,6 +192,12 @@ def _stop_on_signals(
         _STOPPING.remove(stop)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _say_stopped(said: str) -> None:
+    """The stopped run's error line on stderr, as the command line says every failure."""
+    sys.stderr.write(f"\nquarry: error: {said}\n")
+    sys.stderr.flush()
 
 
 # The handler _stop_on_signals installed, while it is in force (innermost last).

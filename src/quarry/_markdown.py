@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["atx_title", "rst_title"]
+__all__ = ["atx_title", "front_matter_end", "rst_title"]
+
+# YAML front matter: a first line of ``---`` with no blank line after it (else it is a
+# thematic break, as Pandoc reads it), closed by ``---`` or ``...`` within
+# _FRONT_MATTER_LINES lines.
+_FRONT_MATTER_OPEN = re.compile(r"---[ \t]*\n(?=[ \t]*\S)")
+_FRONT_MATTER_CLOSE = re.compile(r"\n(?:---|\.\.\.)[ \t]*(?=\n|$)")
+_FRONT_MATTER_LINES = 200
 
 # reST inline markup a section title carries: a role (:mod:`email`, :ref:`Text <target>`),
 # an inline literal (``x``), a named reference (`Text`_, `Text <url>`_).
@@ -39,3 +46,19 @@ def rst_title(line: str) -> str:
         title = _RST_ROLE.sub(r"\1", title)
         title = _RST_REFERENCE.sub(r"\1", title)
     return title
+
+
+def front_matter_end(text: str) -> int:
+    """Where a markdown text's YAML front matter ends (the end of its closing line), 0
+    when it has none: nothing in it is a heading or any other structure."""
+    opening = _FRONT_MATTER_OPEN.match(text)
+    if opening is None:
+        return 0
+    end = 0
+    for _ in range(_FRONT_MATTER_LINES):
+        end = text.find("\n", end + 1)
+        if end < 0:
+            end = len(text)
+            break
+    closing = _FRONT_MATTER_CLOSE.search(text, opening.end() - 1, end)
+    return 0 if closing is None else closing.end()

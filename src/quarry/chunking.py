@@ -82,7 +82,7 @@ from typing import Literal, cast
 
 import tiktoken
 
-from quarry._markdown import atx_title, rst_title
+from quarry._markdown import atx_title, front_matter_end, rst_title
 from quarry._pieces import (
     CompiledCounts,
     PieceCounts,
@@ -293,12 +293,6 @@ _LINE_KINDS = r"""
 # newline to the next; the first line of a text is classified with _LINE.
 _SCAN = re.compile(r"\n(?:(?P<blank>[ \t]*)(?=\n[ \t]*\S)|" + _LINE_KINDS + ")", re.M | re.X)
 _LINE = re.compile(_LINE_KINDS, re.M | re.X)
-# YAML front matter: a first line of ``---`` with no blank line after it (else it is a
-# thematic break, as Pandoc reads it), closed by ``---`` or ``...`` within
-# _FRONT_MATTER_LINES lines (as quarry.sources reads its title).
-_FRONT_MATTER_OPEN = re.compile(r"---[ \t]*\n(?=[ \t]*\S)")
-_FRONT_MATTER_CLOSE = re.compile(r"\n(?:---|\.\.\.)[ \t]*(?=\n|$)")
-_FRONT_MATTER_LINES = 200
 # A line that can start a unit: spaces/tabs, then a non-space character.
 _STARTABLE = re.compile(r"[ \t]*\S")
 
@@ -450,22 +444,6 @@ def _line_end(text: str, pos: int) -> int:
     return len(text) if end < 0 else end
 
 
-def _front_matter_end(text: str) -> int:
-    """Where a markdown text's YAML front matter ends (the end of its closing line),
-    0 when it has none: nothing in it is a heading or any other structure."""
-    opening = _FRONT_MATTER_OPEN.match(text)
-    if opening is None:
-        return 0
-    end = 0
-    for _ in range(_FRONT_MATTER_LINES):
-        end = text.find("\n", end + 1)
-        if end < 0:
-            end = len(text)
-            break
-    closing = _FRONT_MATTER_CLOSE.search(text, opening.end() - 1, end)
-    return 0 if closing is None else closing.end()
-
-
 def _startable(text: str, pos: int) -> bool:
     return 0 < pos < len(text) and text[pos - 1] == "\n" and _STARTABLE.match(text, pos) is not None
 
@@ -495,7 +473,7 @@ class _StructureScanner:
         resume = 0  # matches before this (inside a code fence) are skipped
         rst, code = self.markup == "rst", self.markup == "code"
         first = _LINE.match(text, 0)
-        if self.markup == "markdown" and (front := _front_matter_end(text)):
+        if self.markup == "markdown" and (front := front_matter_end(text)):
             resume = front  # the front matter is the first unit's, as it is
         elif first is not None:
             resume = self._classify(first, 0, held, pending)

@@ -643,17 +643,10 @@ class EmbeddingClient:
                     self.requests_sent += 1
                 started = time.monotonic()
                 try:
-                    try:
-                        if self.dialect == "tei":
-                            vectors = self._post_tei(texts, documents, unit)
-                        else:
-                            vectors = self._post_openai(texts, documents, unit)
-                    except UnusableEmbeddings as unusable:
-                        if unit:  # the usable ones must be of the index's size too
-                            self._check_width(unusable.width, documents)
-                        raise
-                    if unit and vectors.size:  # raw probes (the canary): the fingerprint's
-                        self._check_width(vectors.shape[1], documents)
+                    if self.dialect == "tei":
+                        vectors = self._post_tei(texts, documents, unit)
+                    else:
+                        vectors = self._post_openai(texts, documents, unit)
                 except TransientFailure as error:
                     if not error.timed_out:
                         raise
@@ -693,16 +686,6 @@ class EmbeddingClient:
             pacer.answered(time.monotonic() - started, depth, full=full)
             return vectors
 
-    def _check_width(self, width: int, documents: Sequence[str]) -> None:
-        """VectorsOfAnotherSize when ``width`` is not :attr:`dimensions` (review: a whole
-        batch of another size reached Qdrant, which was blamed for it)."""
-        if self.dimensions is not None and width != self.dimensions:
-            raise VectorsOfAnotherSize(
-                f"{self.base_url}/{'embed' if self.dialect == 'tei' else 'v1/embeddings'}",
-                f"answered vectors of {width} dimensions, where the model's have {self.dimensions}",
-                documents=documents,
-            )
-
     def _post_tei(
         self, texts: list[str], documents: Sequence[str], unit: bool
     ) -> npt.NDArray[np.float32]:
@@ -718,7 +701,12 @@ class EmbeddingClient:
         )
         if not isinstance(body, list) or len(body) != len(texts):
             raise BadResponse(url, f"expected {len(texts)} embeddings", documents=documents)
-        return vector_matrix(url, body, documents, unit=unit)
+        return vector_matrix(url, body, documents, unit=unit, width=self._width(unit))
+
+    def _width(self, unit: bool) -> int | None:
+        """The vector size answers must have: :attr:`dimensions` for passages; raw
+        probes (the canary) are the fingerprint's to judge."""
+        return self.dimensions if unit else None
 
     def _post_openai(
         self, texts: list[str], documents: Sequence[str], unit: bool
@@ -758,7 +746,9 @@ class EmbeddingClient:
                 )
                 raise
             body = json_answer(url, response, documents)
-            return _decode_openai(url, body, len(texts), documents, unit=unit)
+            return _decode_openai(
+                url, body, len(texts), documents, unit=unit, width=self._width(unit)
+            )
 
         return call_with_retries(self._paced_retry, url, attempt, documents=documents)
 
@@ -799,7 +789,13 @@ def _keep_usable(
 
 
 def _decode_openai(
-    url: str, body: Any, expected: int, documents: Sequence[str], *, unit: bool = True
+    url: str,
+    body: Any,
+    expected: int,
+    documents: Sequence[str],
+    *,
+    unit: bool = True,
+    width: int | None = None,
 ) -> npt.NDArray[np.float32]:
     """Vectors from an OpenAI-style body, float lists or base64 little-endian float32."""
     data = body.get("data") if isinstance(body, dict) else None
@@ -820,7 +816,7 @@ def _decode_openai(
                 rows[index] = None  # not base64 of float32s: that input fails alone
         else:
             rows[index] = embedding  # a list, or None and the like: that input fails alone
-    return vector_matrix(url, rows, documents, unit=unit)
+    return vector_matrix(url, rows, documents, unit=unit, width=width)
 
 
 def vector_rows(
@@ -832,7 +828,12 @@ def vector_rows(
 
 
 def vector_matrix(
-    url: str, rows: Sequence[Any], documents: Sequence[str] = (), *, unit: bool = True
+    url: str,
+    rows: Sequence[Any],
+    documents: Sequence[str] = (),
+    *,
+    unit: bool = True,
+    width: int | None = None,
 ) -> npt.NDArray[np.float32]:
     """``rows`` (float lists or arrays, one per input) as a float32 matrix, each row
     scaled to unit length when ``unit``.
@@ -841,7 +842,8 @@ def vector_matrix(
     (one model gives every input the same dimensions), all zeros, or holding a
     ``null``, infinite or NaN value cannot be searched: :class:`UnusableEmbeddings` then carries the
     good rows, so only the inputs whose rows are bad fail. A BadResponse naming
-    ``url`` and ``documents`` when no row is usable at all.
+    ``url`` and ``documents`` when no row is usable at all, and VectorsOfAnotherSize
+    when the rows are not ``width`` long (the index's size, where it is known).
     """
     if not rows:
         return np.empty((0, 0), dtype=np.float32)
@@ -855,6 +857,13 @@ def vector_matrix(
     if matrix is None:
         raise BadResponse(
             url, "no embedding in the answer is a list of numbers", documents=documents
+        )
+    if width is not None and matrix.shape[1] != width:
+        # Review: a whole batch of another size reached Qdrant, which was blamed for it.
+        raise VectorsOfAnotherSize(
+            url,
+            f"answered vectors of {matrix.shape[1]} dimensions, where the model's have {width}",
+            documents=documents,
         )
     norms = np.linalg.norm(matrix, axis=1, keepdims=True)
     # A zero vector has no direction: it scores 0 against every query, so a chunk stored
@@ -908,8 +917,6 @@ class UnusableEmbeddings(BadResponse):
         self.vectors: list[Vector | None] = [
             vector if ok else None for vector, ok in zip(vectors, usable, strict=True)
         ]
-        # The size the usable vectors share (they were made one matrix).
-        self.width = len(vectors[0]) if len(vectors) else 0
 
     def failure(self, document: str) -> EmbedFailure:
         """The failure of one bad input, naming ``document``."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 from typing import Any
 
-from quarry._markdown import atx_title, rst_title
+from quarry._markdown import atx_title, front_matter_end, rst_title
 from quarry.documents import Document, FileStamp
 from quarry.errors import ConfigError, SourceNotFound, UnreadableDocument
 
@@ -1019,19 +1019,16 @@ def _markup_title(text: str, rst: bool) -> str:
     lines = text.split("\n", 2000)[:2000]
     styles: list[str] = []
     start = 0
-    # Front matter opens with "---" and no blank line (else it is a thematic break).
-    if not rst and len(lines) > 1 and lines[0].rstrip() == "---" and lines[1].strip():
-        end = next(
-            (i for i in range(1, min(len(lines), 200)) if lines[i].rstrip() in ("---", "...")), 0
-        )
-        if end:
-            for line in lines[1:end]:
-                m = _FRONT_TITLE.match(line)
-                if m:
-                    title = _yaml_scalar(m.group(1))
-                    if title:
-                        return title
-            start = end + 1
+    front = 0 if rst else front_matter_end(text)  # the chunker's rule
+    if front:
+        inside = text[:front].split("\n")[1:-1]
+        for line in inside:
+            m = _FRONT_TITLE.match(line)
+            if m:
+                title = _yaml_scalar(m.group(1))
+                if title:
+                    return title
+        start = len(inside) + 2
     # An HTML comment hides its headings, as the chunker reads it: one that is never
     # closed (no "-->" on a later line) hides nothing.
     last_close = max((i for i, line in enumerate(lines) if "-->" in line), default=-1)
@@ -1985,7 +1982,7 @@ def _shown_h1(tree: Any) -> Any:
     for h1 in tree.css("h1"):
         node = h1
         while node is not None and node.tag not in ("body", "html"):
-            if node.tag in ("nav", "aside", "footer", "noscript") or _dropped(node):
+            if node.tag in ("aside", "footer") or _dropped(node):  # nav, hidden: dropped
                 break
             node = node.parent
         else:
