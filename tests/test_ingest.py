@@ -6,7 +6,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -1274,18 +1274,33 @@ def test_another_model_of_another_size_is_named_with_its_own_size_and_key(
     assert "(8d," in live.model.describe()
 
 
-class _SwappedVectors(httpx2.BaseTransport):
-    """A service that claims one model in /info but embeds with another (a silent swap)."""
+class _Routed(httpx2.BaseTransport):
+    """The service at ``claimed``, but for the requests ``to_other`` picks, which
+    ``other`` answers (a model swapped behind its /info, a fault mid-run)."""
 
-    def __init__(self, claimed: str, actual: str) -> None:
+    def __init__(
+        self, claimed: str, other: str, to_other: Callable[[httpx2.Request], bool]
+    ) -> None:
         self._http = httpx2.HTTPTransport()
-        self._claimed = httpx2.URL(claimed)
-        self._actual = httpx2.URL(actual)
+        self._claimed, self._other = httpx2.URL(claimed), httpx2.URL(other)
+        self._to_other = to_other
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        target = self._actual if request.url.path in ("/embed", "/v1/embeddings") else self._claimed
+        target = self._other if self._to_other(request) else self._claimed
         request.url = request.url.copy_with(host=target.host, port=target.port)
         return self._http.handle_request(request)
+
+
+def _embedding(request: httpx2.Request) -> bool:
+    """Every embedding request: a service that claims one model and embeds with another."""
+    return request.url.path in ("/embed", "/v1/embeddings")
+
+
+def _batch(request: httpx2.Request) -> bool:
+    """A request of more than one input: not /info, nor the canary."""
+    body = json.loads(request.content) if request.content else {}
+    inputs = body.get("input", body.get("inputs", [])) if isinstance(body, dict) else []
+    return isinstance(inputs, list) and len(inputs) > 1
 
 
 def test_silent_model_swap_is_refused_before_anything_is_written(
@@ -1295,7 +1310,7 @@ def test_silent_model_swap_is_refused_before_anything_is_written(
     before = harness.points()
     (harness.root / "alpha.md").write_text("# Alpha\n\nAlpha, rewritten.")
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=32, seed=7)) as other:
-        swapped = _SwappedVectors(tei.url, other.url)
+        swapped = _Routed(tei.url, other.url, _embedding)
         with pytest.raises(CanaryMismatch, match="canary"):
             harness.run(transport=swapped)
         # With nothing to embed, nothing could be written with the wrong model.
@@ -1303,22 +1318,6 @@ def test_silent_model_swap_is_refused_before_anything_is_written(
         assert harness.run(transport=swapped).documents_skipped == 4
     # Only alpha.md's file stamp (it was written twice) may have been brought up to date.
     assert _without_stamps(harness.points()) == _without_stamps(before)
-
-
-class _BatchesFromAnother(httpx2.BaseTransport):
-    """The service's /info and its canary (one input) as they are; every request of more
-    inputs answered by ``other`` (a fault: vectors of another size mid-run)."""
-
-    def __init__(self, service: str, other: str) -> None:
-        self._http = httpx2.HTTPTransport()
-        self._service, self._other = httpx2.URL(service), httpx2.URL(other)
-
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        body = json.loads(request.content) if request.content else {}
-        inputs = body.get("input", body.get("inputs", [])) if isinstance(body, dict) else []
-        target = self._other if isinstance(inputs, list) and len(inputs) > 1 else self._service
-        request.url = request.url.copy_with(host=target.host, port=target.port)
-        return self._http.handle_request(request)
 
 
 def test_vectors_of_another_size_fail_the_run_naming_the_service_not_qdrant(
@@ -1331,7 +1330,7 @@ def test_vectors_of_another_size_fail_the_run_naming_the_service_not_qdrant(
     before = harness.points()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=16)) as other:
         with pytest.raises(BadResponse) as caught:
-            harness.run(transport=_BatchesFromAnother(tei.url, other.url))
+            harness.run(transport=_Routed(tei.url, other.url, _batch))
     message = str(caught.value)
     assert tei.url in message and "16 dimensions, where the model's have 32" in message
     assert harness.points() == before  # nothing written

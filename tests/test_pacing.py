@@ -149,22 +149,25 @@ def test_a_request_that_times_out_alone_names_the_timeout_setting() -> None:
     assert "twice" in message  # a lone timeout is tried once more before this verdict
 
 
-class _FirstEmbedStalls(httpx2.HTTPTransport):
-    """A real local_tei behind a network where the first embedding request's answer
-    never comes (a read timeout: a stall, once)."""
+class _FirstEmbedFails(httpx2.HTTPTransport):
+    """A real local_tei behind a network where the first embedding request fails with
+    ``error`` after ``after_s`` seconds: a read timeout (a stall, once), or a connect
+    timeout (a dropped SYN: nothing reached the service, nothing is queued there)."""
 
-    def __init__(self, after_s: float = 0.0) -> None:
+    def __init__(
+        self, error: type[httpx2.TimeoutException] = httpx2.ReadTimeout, after_s: float = 0.0
+    ) -> None:
         super().__init__()
-        self.after_s = after_s  # how long the stalled request waits before timing out
-        self.stalled = self.sent = 0
+        self.error, self.after_s = error, after_s
+        self.failed = self.sent = 0
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         if request.url.path.endswith("embeddings"):
             self.sent += 1
-            if not self.stalled:
-                self.stalled += 1
+            if not self.failed:
+                self.failed += 1
                 time.sleep(self.after_s)
-                raise httpx2.ReadTimeout("timed out", request=request)
+                raise self.error("timed out", request=request)
         return super().handle_request(request)
 
 
@@ -172,7 +175,7 @@ def test_one_stall_of_a_lone_request_is_sent_again_not_the_runs_end() -> None:
     # Fault trial: one request that hung once, with no other in flight, failed the
     # nightly run ("the service cannot embed one batch in that time"); resent, the same
     # batch embedded in milliseconds.
-    network = _FirstEmbedStalls()
+    network = _FirstEmbedFails()
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
         with EmbeddingClient(
             service.url,
@@ -183,14 +186,14 @@ def test_one_stall_of_a_lone_request_is_sent_again_not_the_runs_end() -> None:
             dialect="openai",
         ) as client:
             [result] = client.embed_passages([_passage(1)], documents=["notes/a.md"])
-    assert network.stalled == 1
+    assert network.failed == 1
     assert isinstance(result, list) and isinstance(result[0], EmbeddedPart)
 
 
 def test_a_stall_during_a_stop_is_not_sent_again() -> None:
     # Review: cancel_pending() (a stopping ingest) did not stop the lone retry, so a
     # stopping run sent one more request, which may take QUARRY_EMBED_TIMEOUT.
-    network = _FirstEmbedStalls(after_s=1.0)
+    network = _FirstEmbedFails(after_s=1.0)
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
         with EmbeddingClient(
             service.url,
@@ -249,25 +252,10 @@ def test_the_canary_does_not_open_the_pacer_to_the_services_capacity() -> None:
     assert sent == batches, f"{sent - batches} requests timed out and were sent again"
 
 
-class _FirstEmbedConnectTimesOut(httpx2.HTTPTransport):
-    """A real local_tei behind a network that drops the first embedding request's SYN
-    (a connect timeout: nothing reached the service, so nothing is queued there)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dropped = 0
-
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.url.path.endswith("embeddings") and not self.dropped:
-            self.dropped += 1
-            raise httpx2.ConnectTimeout("timed out connecting", request=request)
-        return super().handle_request(request)
-
-
 def test_a_connect_timeout_is_retried_within_the_budget_as_before() -> None:
     # Not an answer that came late: the service never saw the request, so it says
     # nothing about how fast the service embeds, and a retry is what the budget is for.
-    transport = _FirstEmbedConnectTimesOut()
+    transport = _FirstEmbedFails(httpx2.ConnectTimeout)
     with LocalTEIServer(LocalTEIConfig(backend="hash", dims=8)) as service:
         with EmbeddingClient(
             service.url,
@@ -276,4 +264,4 @@ def test_a_connect_timeout_is_retried_within_the_budget_as_before() -> None:
             retry=RetryPolicy(budget=30, initial=0.01, maximum=0.01, jitter=0),
         ) as client:
             vector = client.embed_query("what is a quarry?")
-    assert transport.dropped == 1 and len(vector) == 8
+    assert transport.failed == 1 and len(vector) == 8
